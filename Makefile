@@ -1,0 +1,73 @@
+# One entry point. Every target does the set-up it needs on a fresh Debian 12 machine as root, idempotently.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+SERVING_VENV := .venv-serving
+PY := $(VENV)/bin/python
+STACK := $(PYTHON) scripts/localstack.py
+PYTEST_ARGS ?=
+BENCH ?=
+
+.PHONY: help system-deps venv up down status demo test test-unit test-integration bench lint clean
+
+help:
+	@echo "make demo    run the whole nightly pipeline on the local stack (sets everything up)"
+	@echo "make test    run the test suite (sets everything up)"
+	@echo "make up | down | status    the local stack of real services on 127.0.0.1"
+	@echo "make bench [BENCH=name]    run the benchmarks (all, or one)"
+
+# Python's venv module and a JDK for Spark; Debian's python3 lacks ensurepip without python3-venv.
+system-deps:
+	@if ! $(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || ! command -v java >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			python3-venv python3-dev openjdk-17-jre-headless make git; \
+	fi
+
+venv: system-deps $(VENV)/.installed $(SERVING_VENV)/.installed
+
+# torch first: the CPU build on local disk; the later resolve then keeps it instead of pulling a CUDA build.
+# pyspark last: the Spark provider's pyspark-client overwrites pyspark's files with older ones (shared/notes).
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --force-reinstall --no-deps pyspark==4.3.0
+	$(PY) -m pip check
+	touch $@
+
+# Triton's bundled server and python backend need numpy<2, which Airflow's environment cannot have.
+$(SERVING_VENV)/.installed: include/serving/requirements.txt
+	test -x $(SERVING_VENV)/bin/python || $(PYTHON) -m venv $(SERVING_VENV)
+	$(SERVING_VENV)/bin/python -m pip install -q --disable-pip-version-check -r include/serving/requirements.txt
+	touch $@
+
+up: venv
+	$(STACK) up
+
+down:
+	$(STACK) down
+
+status:
+	$(STACK) status
+
+demo: up
+	$(PY) scripts/demo.py
+
+test: up
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: venv
+	$(PY) -m pytest tests/unit tests/dags $(PYTEST_ARGS)
+
+bench: up
+	$(PY) benchmarks/run.py $(BENCH)
+
+lint: venv
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check plugins dags jobs tests benchmarks scripts
+
+clean: down
+	rm -rf .state

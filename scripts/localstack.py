@@ -1,0 +1,919 @@
+#!/usr/bin/env python3
+"""Bring the local stack of real services up and down on 127.0.0.1, without systemd.
+
+    python3 scripts/localstack.py up [SERVICE ...]   start what is not running (idempotent)
+    python3 scripts/localstack.py down                stop what this checkout started, by PID
+    python3 scripts/localstack.py status [--json]     one line per service; exit 1 if any is down
+    python3 scripts/localstack.py env                 shell exports for Airflow and the tests
+
+The cluster side (munge, MariaDB, slurmdbd, slurmctld, slurmd, sshd and the shared storage) lives under the
+profile's `cluster_dir` (default /var/lib/hybridflow) because the daemons' users (slurm, mysql, munge, the job
+user) must traverse it; the Airflow side (Airflow home, Spark standalone, Triton, the S3 endpoint, generated
+keys, PID files) lives under `.state/` in the checkout. Standard library only: it runs before any venv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import pwd
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state")).resolve()
+PROFILE = Path(os.environ.get("HYBRIDFLOW_PROFILE", REPO / "include/profiles/local.json")).resolve()
+VENV = REPO / ".venv"
+SERVING_VENV = REPO / ".venv-serving"
+
+APT_PACKAGES = [
+    "munge", "slurmctld", "slurmd", "slurm-client", "slurmdbd", "mariadb-server", "openssh-server", "openssh-client",
+]
+REQUIRED_BINARIES = ["munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "mariadbd", "mariadb-install-db", "sshd"]
+
+
+def log(msg: str) -> None:
+    print(f"[localstack] {msg}", flush=True)
+
+
+def run(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, text=True, capture_output=True, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- profile & paths
+@dataclass(frozen=True)
+class Paths:
+    cluster: Path
+
+    @property
+    def slurm(self) -> Path:
+        return self.cluster / "slurm"
+
+    @property
+    def mariadb(self) -> Path:
+        return self.cluster / "mariadb"
+
+    @property
+    def sshd(self) -> Path:
+        return self.cluster / "sshd"
+
+    @property
+    def gres(self) -> Path:
+        return self.cluster / "gres"
+
+    @property
+    def storage(self) -> Path:
+        """Shared storage seen by Airflow, Spark, the Slurm jobs (over SSH) and Triton."""
+        return self.cluster / "storage"
+
+    @property
+    def cluster_secrets(self) -> Path:
+        return self.cluster / "secrets"
+
+    # Airflow side, per checkout
+    run_dir = STATE / "run"
+    logs = STATE / "logs"
+    ssh_client = STATE / "ssh"
+    airflow_home = STATE / "airflow"
+    spark = STATE / "spark"
+    triton = STATE / "triton"
+    local_secrets = STATE / "secrets"
+
+
+def load_profile() -> dict:
+    try:
+        return json.loads(PROFILE.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        sys.exit(f"cannot read profile {PROFILE}: {exc}")
+
+
+PROF = load_profile()
+STACK = PROF["stack"]
+P = Paths(Path(STACK["cluster_dir"]))
+JOB_USER = STACK["job_user"]
+
+
+def secret(name: str, where: Path, nbytes: int = 24, make: Callable[[int], str] = secrets.token_urlsafe) -> str:
+    """A generated secret, created once and kept in a 0600 file (never in the repo)."""
+    path = where / name
+    if not path.exists():
+        where.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.write_text(make(nbytes))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def chown(path: Path, user: str) -> None:
+    pw = pwd.getpwnam(user)
+    os.chown(path, pw.pw_uid, pw.pw_gid)
+
+
+def ensure_dir(path: Path, owner: str = "root", mode: int = 0o755) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(mode)
+    chown(path, owner)
+    return path
+
+
+def write_if_changed(path: Path, text: str, mode: int = 0o644, owner: str = "root") -> bool:
+    changed = not path.exists() or path.read_text() != text
+    if changed:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.chmod(mode)
+        chown(tmp, owner)
+        tmp.replace(path)
+    path.chmod(mode)
+    chown(path, owner)
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def pid_alive(pid: int) -> bool:
+    """True for a live process; a zombie (PID 1 here reaps late) counts as dead."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.3)
+        return sock.connect_ex((host, port)) == 0
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return 200 <= resp.status < 300
+    except OSError:
+        return False
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float, logfile: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    delay = 0.1
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(delay)
+        delay = min(delay * 1.5, 1.0)
+    hint = f"; see {logfile}" if logfile else ""
+    raise RuntimeError(f"{what} did not become ready within {timeout:.0f} s{hint}")
+
+
+@dataclass
+class Service:
+    """One process of the stack: how to start it, how to tell it is ready, where its PID is."""
+
+    name: str
+    ready: Callable[[], bool]
+    start: Callable[[], int | None]
+    # Daemons that fork write their own pid file; for the rest the PID is the child we spawned.
+    timeout: float = 60
+    endpoint: str = ""
+    logfile: Path | None = None
+    comm: str = ""  # expected /proc/PID/comm prefix, so a recycled PID is never signalled
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pidfile(self) -> Path:
+        return P.run_dir / f"{self.name}.pid"
+
+    def owned_pid(self) -> int | None:
+        pid = read_pid(self.pidfile)
+        if pid is None or not pid_alive(pid):
+            return None
+        if self.comm:
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                return None
+            if not comm.startswith(self.comm[:15]):
+                return None
+        return pid
+
+
+def spawn(cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path | None = None) -> int:
+    """Start a foreground-style process in its own session, so `down` can stop it and its children."""
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    with open(logfile, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+            start_new_session=True,
+        )
+    return proc.pid
+
+
+def wait_pidfile(path: Path, timeout: float = 15) -> int:
+    wait_for(f"pid file {path}", lambda: read_pid(path) is not None and pid_alive(read_pid(path)), timeout)
+    return read_pid(path)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------- system set-up
+def ensure_packages() -> None:
+    missing = [b for b in REQUIRED_BINARIES if not shutil.which(b, path="/usr/sbin:/usr/bin:/sbin:/bin")]
+    if not missing:
+        return
+    log(f"installing Debian packages (missing: {', '.join(missing)})")
+    # Package scripts must not start daemons: we run our own, on loopback, with our config.
+    policy = Path("/usr/sbin/policy-rc.d")
+    made_policy = not policy.exists()
+    if made_policy:
+        policy.write_text("#!/bin/sh\nexit 101\n")
+        policy.chmod(0o755)
+    try:
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-q"], check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *APT_PACKAGES],
+            check=True, env=env, stdout=subprocess.DEVNULL,
+        )
+    finally:
+        if made_policy:
+            policy.unlink()
+
+
+def ensure_job_user() -> None:
+    try:
+        pwd.getpwnam(JOB_USER)
+    except KeyError:
+        log(f"creating job user {JOB_USER}")
+        run(["useradd", "--create-home", "--shell", "/bin/bash", JOB_USER])
+    # useradd leaves the password field '!' (locked); with UsePAM no, sshd refuses even keys for locked users.
+    run(["usermod", "-p", "*", JOB_USER])
+
+
+def ensure_client_key() -> Path:
+    """Airflow's SSH identity, generated here (never committed) and authorized for the job user."""
+    ensure_dir(P.ssh_client, mode=0o700)
+    key = P.ssh_client / "id_ed25519"
+    if not key.exists():
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"hybridflow-airflow@{REPO.name}", "-f", str(key)])
+    pub = (P.ssh_client / "id_ed25519.pub").read_text().strip()
+    home = Path(pwd.getpwnam(JOB_USER).pw_dir)
+    ssh_dir = ensure_dir(home / ".ssh", owner=JOB_USER, mode=0o700)
+    auth = ssh_dir / "authorized_keys"
+    lines = auth.read_text().splitlines() if auth.exists() else []
+    if pub not in lines:
+        lines.append(pub)
+    write_if_changed(auth, "\n".join(lines) + "\n", mode=0o600, owner=JOB_USER)
+    return key
+
+
+def ensure_host_key() -> str:
+    ensure_dir(P.sshd, mode=0o755)
+    key = P.sshd / "ssh_host_ed25519_key"
+    if not key.exists():
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)])
+    key_type, key_data = (P.sshd / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+    return f"{key_type} {key_data}"
+
+
+def ensure_storage() -> None:
+    ensure_dir(P.cluster)
+    ensure_dir(P.storage, owner=JOB_USER, mode=0o755)
+    # The job user writes checkpoints and training outputs; Airflow (root here) writes features and models.
+    for sub in ("checkpoints", "runs", "scratch"):
+        ensure_dir(P.storage / sub, owner=JOB_USER, mode=0o755)
+    for sub in ("features", "raw", "predictions", "models", "model-repository", "reports"):
+        ensure_dir(P.storage / sub, mode=0o755)
+
+
+# ---------------------------------------------------------------------------------------------- munge
+def munge_ready() -> bool:
+    enc = subprocess.run(["munge", "-n"], capture_output=True)
+    if enc.returncode != 0:
+        return False
+    return subprocess.run(["unmunge"], input=enc.stdout, capture_output=True).returncode == 0
+
+
+def start_munge() -> int:
+    ensure_dir(Path("/run/munge"), owner="munge", mode=0o755)
+    run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"])
+    return wait_pidfile(Path("/run/munge/munged.pid"))
+
+
+# ---------------------------------------------------------------------------------------------- mariadb
+def mariadb_socket() -> Path:
+    return P.mariadb / "run" / "mysqld.sock"
+
+
+def mariadb_ready() -> bool:
+    return port_open(STACK["mariadb_port"]) and mariadb_socket().exists()
+
+
+def start_mariadb() -> int:
+    data = P.mariadb / "data"
+    ensure_dir(P.mariadb, owner="mysql")
+    ensure_dir(P.mariadb / "run", owner="mysql")
+    if not (data / "mysql").exists():
+        ensure_dir(data, owner="mysql", mode=0o750)
+        log("initialising the private MariaDB for Slurm accounting")
+        run(["mariadb-install-db", "--no-defaults", "--user=mysql", f"--datadir={data}",
+             "--auth-root-authentication-method=socket", "--skip-test-db"])
+    pid = spawn(
+        ["mariadbd", "--no-defaults", "--user=mysql", f"--datadir={data}", "--bind-address=127.0.0.1",
+         f"--port={STACK['mariadb_port']}", f"--socket={mariadb_socket()}",
+         f"--pid-file={P.mariadb / 'run' / 'mariadbd.pid'}", "--innodb-buffer-pool-size=1G", "--innodb-lock-wait-timeout=900",
+         "--skip-name-resolve"],
+        P.logs / "mariadb.log",
+    )
+    wait_for("MariaDB", mariadb_ready, 60, P.logs / "mariadb.log")
+    password = secret("mariadb-slurm", P.cluster_secrets)
+    sql = "".join(
+        f"CREATE USER IF NOT EXISTS 'slurm'@'{host}' IDENTIFIED BY '{password}';"
+        f"ALTER USER 'slurm'@'{host}' IDENTIFIED BY '{password}';"
+        f"GRANT ALL ON slurm_acct_db.* TO 'slurm'@'{host}';"
+        for host in ("127.0.0.1", "localhost")
+    )
+    # The SQL goes on stdin, so the password never appears in a process list.
+    subprocess.run(["mariadb", "--no-defaults", f"--socket={mariadb_socket()}", "-u", "root"],
+                   input=sql, text=True, check=True, capture_output=True)
+    return pid
+
+
+# ---------------------------------------------------------------------------------------------- slurm
+def slurm_conf() -> str:
+    s, n = STACK, STACK["slurm_node"]
+    sd = P.slurm
+    return f"""# Written by scripts/localstack.py; edit include/profiles/local.json instead.
+ClusterName={s['slurm_cluster_name']}
+SlurmctldHost=localhost(127.0.0.1)
+SlurmUser=slurm
+AuthType=auth/munge
+# Also the delay before a requeued job is eligible again (default 120 s).
+AuthInfo=cred_expire=10
+StateSaveLocation={sd}/ctld
+SlurmdSpoolDir={sd}/d
+SlurmctldPidFile={sd}/run/slurmctld.pid
+SlurmdPidFile={sd}/run/slurmd.pid
+SlurmctldLogFile={sd}/log/slurmctld.log
+SlurmdLogFile={sd}/log/slurmd.log
+# No cgroups here: track processes by /proc and bind nothing.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+# Lets the node advertise the CPUs and GPUs of a GPU node on a 2-core machine.
+SlurmdParameters=config_overrides
+MinJobAge=300
+GresTypes=gpu
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStorageTRES=gres/gpu
+JobAcctGatherType=jobacct_gather/none
+NodeName={n} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname().split('.')[0]} CPUs={s['slurm_node_cpus']} RealMemory={s['slurm_node_memory_mb']} Gres=gpu:{s['slurm_gpu_type']}:{s['slurm_gpus']} State=UNKNOWN
+PartitionName=cpu Nodes={n} Default=YES MaxTime=INFINITE State=UP
+PartitionName=gpu-training Nodes={n} MaxTime=INFINITE State=UP
+"""
+
+
+def gres_conf() -> str:
+    last = STACK["slurm_gpus"] - 1
+    return (f"NodeName={STACK['slurm_node']} Name=gpu Type={STACK['slurm_gpu_type']} "
+            f"File={P.gres}/gpu[0-{last}]\n")
+
+
+def slurmdbd_conf() -> str:
+    sd = P.slurm
+    return f"""AuthType=auth/munge
+DbdHost=localhost
+DbdAddr=127.0.0.1
+SlurmUser=slurm
+PidFile={sd}/run/slurmdbd.pid
+LogFile={sd}/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={STACK['mariadb_port']}
+StorageUser=slurm
+StoragePass={secret('mariadb-slurm', P.cluster_secrets)}
+StorageLoc=slurm_acct_db
+"""
+
+
+def configure_slurm() -> None:
+    for sub in ("", "ctld", "d", "run", "log"):
+        ensure_dir(P.slurm / sub, owner="slurm")
+    ensure_dir(P.gres)
+    # GPUs declared as GRES need device files; /dev/null's numbers make harmless ones (shared/notes).
+    for i in range(STACK["slurm_gpus"]):
+        dev = P.gres / f"gpu{i}"
+        if not dev.exists():
+            run(["mknod", "-m", "0666", str(dev), "c", "1", "3"])
+    etc = Path("/etc/slurm")
+    write_if_changed(etc / "slurm.conf", slurm_conf())
+    write_if_changed(etc / "gres.conf", gres_conf())
+    # slurmdbd refuses a config readable by others, or not owned by SlurmUser.
+    write_if_changed(etc / "slurmdbd.conf", slurmdbd_conf(), mode=0o600, owner="slurm")
+
+
+def slurmdbd_ready() -> bool:
+    return port_open(6819)
+
+
+def start_slurmdbd() -> int:
+    configure_slurm()
+    run(["/usr/sbin/slurmdbd"])
+    return wait_pidfile(P.slurm / "run" / "slurmdbd.pid")
+
+
+def slurmctld_ready() -> bool:
+    out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    return out.returncode == 0 and "UP" in out.stdout
+
+
+def start_slurmctld() -> int:
+    configure_slurm()
+    run(["/usr/sbin/slurmctld"])
+    return wait_pidfile(P.slurm / "run" / "slurmctld.pid")
+
+
+def node_state() -> str:
+    out = subprocess.run(["sinfo", "-h", "-N", "-n", STACK["slurm_node"], "-o", "%T"], capture_output=True,
+                         text=True)
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+
+
+def slurmd_ready() -> bool:
+    state = node_state()
+    return bool(state) and not any(bad in state for bad in ("down", "drain", "unknown", "not_responding"))
+
+
+def start_slurmd() -> int:
+    configure_slurm()
+    run(["/usr/sbin/slurmd", "-N", STACK["slurm_node"]])
+    pid = wait_pidfile(P.slurm / "run" / "slurmd.pid")
+    # ReturnToService=2 does not clear a drain left by an earlier run.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not slurmd_ready():
+        if any(bad in node_state() for bad in ("drain", "down")):
+            subprocess.run(["scontrol", "update", f"NodeName={STACK['slurm_node']}", "State=RESUME"],
+                           capture_output=True)
+        time.sleep(0.5)
+    return pid
+
+
+# ---------------------------------------------------------------------------------------------- sshd
+def sshd_conf() -> str:
+    return f"""# Written by scripts/localstack.py: loopback only, key-only, the job user only.
+Port {STACK['ssh_port']}
+ListenAddress 127.0.0.1
+HostKey {P.sshd}/ssh_host_ed25519_key
+PidFile {P.sshd}/sshd.pid
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin no
+UsePAM no
+AllowUsers {JOB_USER}
+AuthorizedKeysFile .ssh/authorized_keys
+X11Forwarding no
+AllowTcpForwarding no
+PermitTunnel no
+MaxStartups 64:30:128
+MaxSessions 64
+Subsystem sftp internal-sftp
+"""
+
+
+def sshd_ready() -> bool:
+    if not port_open(STACK["ssh_port"]):
+        return False
+    with socket.create_connection(("127.0.0.1", STACK["ssh_port"]), timeout=2) as sock:
+        return sock.recv(64).startswith(b"SSH-2.0")
+
+
+def start_sshd() -> int:
+    ensure_host_key()
+    conf = P.sshd / "sshd_config"
+    write_if_changed(conf, sshd_conf())
+    ensure_dir(Path("/run/sshd"))
+    check = run(["/usr/sbin/sshd", "-t", "-f", str(conf)], check=False)
+    if check.returncode:
+        raise RuntimeError(f"sshd config {conf} is invalid: {check.stderr.strip()}")
+    run(["/usr/sbin/sshd", "-f", str(conf)])
+    return wait_pidfile(P.sshd / "sshd.pid")
+
+
+# ---------------------------------------------------------------------------------------------- spark
+def spark_home() -> Path:
+    found = sorted((VENV / "lib").glob("python3*/site-packages/pyspark"))
+    if not found:
+        raise RuntimeError(f"pyspark is not installed in {VENV}; run `make venv` first")
+    return found[0]
+
+
+def spark_env() -> dict:
+    return dict(
+        os.environ, SPARK_HOME=str(spark_home()), SPARK_LOCAL_IP="127.0.0.1", SPARK_PID_DIR=str(P.spark / "run"),
+        SPARK_LOG_DIR=str(P.spark / "logs"), SPARK_IDENT_STRING="hybridflow", SPARK_WORKER_DIR=str(P.spark / "work"),
+        SPARK_NO_DAEMONIZE="",
+        PYSPARK_PYTHON=str(VENV / "bin/python"), PATH=f"{VENV / 'bin'}:{os.environ['PATH']}",
+    )
+
+
+SPARK_MASTER = "org.apache.spark.deploy.master.Master"
+SPARK_WORKER = "org.apache.spark.deploy.worker.Worker"
+
+
+def spark_daemon(cls: str, args: list[str]) -> int:
+    env = spark_env()
+    env.pop("SPARK_NO_DAEMONIZE")
+    for sub in ("run", "logs", "work"):
+        (P.spark / sub).mkdir(parents=True, exist_ok=True)
+    run([f"{env['SPARK_HOME']}/sbin/spark-daemon.sh", "start", cls, "1", *args], env=env)
+    return wait_pidfile(P.spark / "run" / f"spark-hybridflow-{cls}-1.pid")
+
+
+def start_spark_master() -> int:
+    return spark_daemon(SPARK_MASTER, ["--host", "127.0.0.1", "--port", str(STACK["spark_master_port"]),
+                                       "--webui-port", str(STACK["spark_master_ui_port"])])
+
+
+def start_spark_worker() -> int:
+    return spark_daemon(SPARK_WORKER, [
+        "--host", "127.0.0.1", "--cores", str(STACK["spark_worker_cores"]), "--memory", STACK["spark_worker_memory"],
+        "--webui-port", str(STACK["spark_worker_ui_port"]), f"spark://127.0.0.1:{STACK['spark_master_port']}",
+    ])
+
+
+def spark_worker_ready() -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{STACK['spark_master_ui_port']}/json/", timeout=1) as resp:
+            return any(w.get("state") == "ALIVE" for w in json.load(resp).get("workers", []))
+    except (OSError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- triton
+def pytriton_dir() -> Path:
+    found = sorted((SERVING_VENV / "lib").glob("python3*/site-packages/pytriton"))
+    if not found:
+        raise RuntimeError(f"nvidia-pytriton is not installed in {SERVING_VENV}; run `make venv` first")
+    return found[0]
+
+
+def triton_backend_dir() -> Path:
+    """The python backend assembled from the wheel's parts, with the stub for the serving interpreter."""
+    bundle = pytriton_dir() / "tritonserver"
+    minor = run([str(SERVING_VENV / "bin/python"), "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"]).stdout.strip()
+    backend = P.triton / "backends" / "python"
+    backend.mkdir(parents=True, exist_ok=True)
+    for src in (bundle / "backends/python/libtriton_python.so",
+                bundle / "backends/python/triton_python_backend_utils.py",
+                bundle / f"python_backend_stubs/{minor}/triton_python_backend_stub"):
+        dst = backend / src.name
+        if not dst.exists() or dst.stat().st_size != src.stat().st_size:
+            shutil.copy2(src, dst)
+    return backend.parent
+
+
+def triton_env() -> dict:
+    libdir = run([str(SERVING_VENV / "bin/python"), "-c",
+                  "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"]).stdout.strip()
+    libs = pytriton_dir().parent / "nvidia_pytriton.libs"
+    # The stub must load the serving interpreter's own libpython (not Debian's) and find its numpy via PATH.
+    return dict(os.environ, LD_LIBRARY_PATH=f"{libs}:{libdir}", PATH=f"{SERVING_VENV / 'bin'}:{os.environ['PATH']}")
+
+
+def triton_ready() -> bool:
+    return http_ok(f"http://127.0.0.1:{STACK['triton_http_port']}/v2/health/ready")
+
+
+def start_triton() -> int:
+    backends = triton_backend_dir()
+    binary = pytriton_dir() / "tritonserver/bin/tritonserver"
+    cmd = [
+        str(binary), f"--model-repository={P.storage / 'model-repository'}", "--model-control-mode=explicit",
+        "--http-address=127.0.0.1", f"--http-port={STACK['triton_http_port']}",
+        "--grpc-address=127.0.0.1", f"--grpc-port={STACK['triton_grpc_port']}",
+        "--metrics-address=127.0.0.1", f"--metrics-port={STACK['triton_metrics_port']}",
+        f"--backend-directory={backends}", "--exit-timeout-secs=10", "--log-verbose=0",
+        f"--backend-config=python,shm-region-prefix-name=hybridflow{STACK['triton_http_port']}",
+    ]
+    return spawn(cmd, P.logs / "triton.log", env=triton_env())
+
+
+# ---------------------------------------------------------------------------------------------- s3 endpoint
+def start_s3() -> int:
+    # moto's server is the S3-compatible endpoint that runs here (no MinIO binary on PyPI or Debian).
+    return spawn([str(VENV / "bin/moto_server"), "-H", "127.0.0.1", "-p", str(STACK["s3_port"])], P.logs / "s3.log")
+
+
+def s3_ready() -> bool:
+    return http_ok(f"http://127.0.0.1:{STACK['s3_port']}/moto-api/data.json")
+
+
+# ---------------------------------------------------------------------------------------------- airflow
+def render_connections() -> dict[str, dict]:
+    values = dict(
+        STACK,
+        ssh_key_file=str(P.ssh_client / "id_ed25519"),
+        ssh_host_key=ensure_host_key(),
+        known_hosts_file=str(P.ssh_client / "known_hosts"),
+        s3_access_key=secret("s3-access-key", P.local_secrets, 12),
+        s3_secret_key=secret("s3-secret-key", P.local_secrets),
+    )
+
+    def fill(node):
+        if isinstance(node, dict):
+            return {k: fill(v) for k, v in node.items()}
+        if isinstance(node, str):
+            whole = node.strip()
+            if whole.startswith("${") and whole.endswith("}") and whole.count("${") == 1:
+                return values[whole[2:-1]]  # keeps ints as ints (ports)
+            return Template(node).substitute(values)
+        return node
+
+    return {conn_id: fill(spec) for conn_id, spec in PROF["connections"].items()}
+
+
+def fernet_key(nbytes: int) -> str:
+    return base64.urlsafe_b64encode(secrets.token_bytes(nbytes)).decode()
+
+
+def write_known_hosts(host_key: str) -> None:
+    port = STACK["ssh_port"]
+    text = "".join(f"[{h}]:{port} {host_key}\n" for h in ("127.0.0.1", "localhost"))
+    write_if_changed(P.ssh_client / "known_hosts", text)
+
+
+def airflow_env() -> dict[str, str]:
+    home = P.airflow_home
+    env = {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": str(STACK["airflow_parallelism"]),
+        "AIRFLOW__CORE__FERNET_KEY": secret("fernet-key", P.local_secrets, 32, make=fernet_key),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{STACK['airflow_api_port']}/execution/",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(STACK["airflow_api_port"]),
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{STACK['airflow_api_port']}",
+        "AIRFLOW__API__SECRET_KEY": secret("api-secret-key", P.local_secrets),
+        "AIRFLOW__API_AUTH__JWT_SECRET": secret("jwt-secret", P.local_secrets, 32),
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+        "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+        "HYBRIDFLOW_STORAGE_ROOT": str(P.storage),
+        "HYBRIDFLOW_CLUSTER_DIR": str(P.cluster),
+        "HYBRIDFLOW_JOB_USER": JOB_USER,
+        "HYBRIDFLOW_STATE_DIR": str(STATE),
+        "PYSPARK_PYTHON": str(VENV / "bin/python"),
+        "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+    }
+    for conn_id, spec in render_connections().items():
+        env[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps(spec, sort_keys=True)
+    return env
+
+
+def write_airflow_files() -> dict[str, str]:
+    ensure_dir(P.airflow_home, mode=0o700)
+    write_known_hosts(ensure_host_key())
+    passwords = P.airflow_home / "passwords.json"
+    if not passwords.exists():
+        write_if_changed(passwords, json.dumps({"admin": secrets.token_urlsafe(12)}), mode=0o600)
+    env = airflow_env()
+    write_if_changed(STATE / "airflow-env.json", json.dumps(env, indent=2, sort_keys=True), mode=0o600)
+    return env
+
+
+def airflow(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return run([str(VENV / "bin/airflow"), *args], env=dict(os.environ, **env))
+
+
+def migrate_airflow_db() -> None:
+    env = write_airflow_files()
+    stamp = P.airflow_home / ".migrated"
+    version = run([str(VENV / "bin/python"), "-c", "import airflow; print(airflow.__version__)"]).stdout.strip()
+    if not stamp.exists() or stamp.read_text() != version:
+        log("migrating the Airflow metadata DB")
+        airflow("db", "migrate", env=env)
+        stamp.write_text(version)
+
+
+def start_airflow_component(component: str) -> int:
+    env = dict(os.environ, **write_airflow_files())
+    # The log server binds every interface and cannot be told otherwise; logs are read from the shared
+    # local log folder instead, so it is not started.
+    extra = ["--skip-serve-logs"] if component in ("scheduler", "triggerer") else []
+    return spawn([str(VENV / "bin/airflow"), component, *extra], P.logs / f"airflow-{component}.log", env=env,
+                 cwd=REPO)
+
+
+def airflow_api_ready() -> bool:
+    return http_ok(f"http://127.0.0.1:{STACK['airflow_api_port']}/api/v2/monitor/health")
+
+
+def airflow_component_ready(component: str) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{STACK['airflow_api_port']}/api/v2/monitor/health", timeout=1
+            ) as resp:
+                health = json.load(resp)
+        except (OSError, ValueError):
+            return False
+        return (health.get(component) or {}).get("status") == "healthy"
+
+    return ready
+
+
+# ---------------------------------------------------------------------------------------------- the stack
+def services() -> list[Service]:
+    sp, tp = STACK["ssh_port"], STACK["triton_http_port"]
+    api = STACK["airflow_api_port"]
+    return [
+        Service("munge", munge_ready, start_munge, comm="munged", endpoint="/run/munge/munge.socket.2"),
+        Service("mariadb", mariadb_ready, start_mariadb, comm="mariadbd",
+                endpoint=f"127.0.0.1:{STACK['mariadb_port']}", logfile=P.logs / "mariadb.log"),
+        Service("slurmdbd", slurmdbd_ready, start_slurmdbd, comm="slurmdbd", endpoint="127.0.0.1:6819",
+                logfile=P.slurm / "log/slurmdbd.log"),
+        Service("slurmctld", slurmctld_ready, start_slurmctld, comm="slurmctld", endpoint="127.0.0.1:6817",
+                logfile=P.slurm / "log/slurmctld.log"),
+        Service("slurmd", slurmd_ready, start_slurmd, comm="slurmd", endpoint=STACK["slurm_node"],
+                logfile=P.slurm / "log/slurmd.log"),
+        Service("sshd", sshd_ready, start_sshd, comm="sshd", endpoint=f"ssh://{JOB_USER}@127.0.0.1:{sp}"),
+        Service("spark-master", lambda: port_open(STACK["spark_master_port"]), start_spark_master, comm="java",
+                endpoint=f"spark://127.0.0.1:{STACK['spark_master_port']}", logfile=P.spark / "logs"),
+        Service("spark-worker", spark_worker_ready, start_spark_worker, comm="java",
+                endpoint=f"http://127.0.0.1:{STACK['spark_worker_ui_port']}", logfile=P.spark / "logs"),
+        Service("triton", triton_ready, start_triton, comm="tritonserver", endpoint=f"http://127.0.0.1:{tp}",
+                logfile=P.logs / "triton.log"),
+        Service("s3", s3_ready, start_s3, comm="moto_server", endpoint=f"http://127.0.0.1:{STACK['s3_port']}",
+                logfile=P.logs / "s3.log"),
+        Service("airflow-api-server", airflow_api_ready, lambda: start_airflow_component("api-server"),
+                comm="airflow", endpoint=f"http://127.0.0.1:{api}", logfile=P.logs / "airflow-api-server.log",
+                timeout=90),
+        Service("airflow-scheduler", airflow_component_ready("scheduler"),
+                lambda: start_airflow_component("scheduler"), comm="airflow",
+                logfile=P.logs / "airflow-scheduler.log", timeout=90),
+        Service("airflow-dag-processor", airflow_component_ready("dag_processor"),
+                lambda: start_airflow_component("dag-processor"), comm="airflow",
+                logfile=P.logs / "airflow-dag-processor.log", timeout=90),
+        Service("airflow-triggerer", airflow_component_ready("triggerer"),
+                lambda: start_airflow_component("triggerer"), comm="airflow",
+                logfile=P.logs / "airflow-triggerer.log", timeout=90),
+    ]
+
+
+def by_name(names: list[str]) -> list[Service]:
+    all_services = services()
+    known = {s.name for s in all_services}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        sys.exit(f"unknown service(s) {', '.join(unknown)}; choose from: {', '.join(s.name for s in all_services)}")
+    return [s for s in all_services if not names or s.name in names]
+
+
+def cmd_up(names: list[str]) -> int:
+    if os.geteuid() != 0:
+        sys.exit("localstack must run as root: it installs packages and starts Slurm daemons as their users")
+    t0 = time.monotonic()
+    for d in (STATE, P.run_dir, P.logs):
+        ensure_dir(d)
+    ensure_packages()
+    ensure_job_user()
+    ensure_storage()
+    ensure_client_key()
+    write_airflow_files()
+    chosen = by_name(names)
+    if any(s.name.startswith("airflow") for s in chosen):
+        migrate_airflow_db()
+    pending: list[Service] = []
+    for svc in chosen:
+        if svc.ready():
+            note = "" if svc.owned_pid() else " (not started by this checkout; left alone by `down`)"
+            log(f"{svc.name}: already up{note}")
+            continue
+        log(f"{svc.name}: starting")
+        pid = svc.start()
+        if pid:
+            svc.pidfile.write_text(f"{pid}\n")
+        # Daemons that others depend on must be ready before the next starts; the leaves are waited for below.
+        if svc.name in ("munge", "mariadb", "slurmdbd", "slurmctld", "spark-master"):
+            wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)
+        else:
+            pending.append(svc)
+    for svc in pending:
+        wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)
+    log(f"up in {time.monotonic() - t0:.1f} s")
+    return cmd_status(names, as_json=False)
+
+
+def stop_pid(svc: Service, pid: int) -> None:
+    # Processes we spawned lead their own session: signal the group so children go too.
+    try:
+        target = -pid if os.getpgid(pid) == pid else pid
+        os.kill(target, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and pid_alive(pid):
+        time.sleep(0.2)
+    if pid_alive(pid):
+        log(f"{svc.name}: did not stop after SIGTERM; sending SIGKILL")
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def cmd_down(names: list[str]) -> int:
+    for svc in reversed(by_name(names)):
+        pid = svc.owned_pid()
+        if pid is None:
+            svc.pidfile.unlink(missing_ok=True)
+            continue
+        log(f"{svc.name}: stopping pid {pid}")
+        stop_pid(svc, pid)
+        svc.pidfile.unlink(missing_ok=True)
+    return 0
+
+
+def cmd_status(names: list[str], as_json: bool) -> int:
+    rows = []
+    for svc in by_name(names):
+        up = svc.ready()
+        pid = svc.owned_pid()
+        rows.append({"service": svc.name, "up": up, "pid": pid, "endpoint": svc.endpoint,
+                     "log": str(svc.logfile or "")})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            state = "up" if r["up"] else "DOWN"
+            owner = f"pid {r['pid']}" if r["pid"] else ("external" if r["up"] else "-")
+            print(f"{r['service']:<22} {state:<5} {owner:<10} {r['endpoint']}")
+        if any(r["service"] == "airflow-api-server" and r["up"] for r in rows):
+            print(f"Airflow UI: http://127.0.0.1:{STACK['airflow_api_port']}  login: admin, password in "
+                  f"{P.airflow_home / 'passwords.json'}")
+    return 0 if all(r["up"] for r in rows) else 1
+
+
+def cmd_env() -> int:
+    env = json.loads((STATE / "airflow-env.json").read_text()) if (STATE / "airflow-env.json").exists() else None
+    if env is None:
+        sys.exit("no .state/airflow-env.json yet: run `make up` first")
+    for key, value in env.items():
+        print(f"export {key}={shlex.quote(value)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("up", "down", "status"):
+        p = sub.add_parser(name)
+        p.add_argument("services", nargs="*", help="limit to these services (default: all)")
+        if name == "status":
+            p.add_argument("--json", action="store_true")
+    sub.add_parser("env")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            return cmd_up(args.services)
+        if args.command == "down":
+            return cmd_down(args.services)
+        if args.command == "status":
+            return cmd_status(args.services, args.json)
+        return cmd_env()
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        print(f"[localstack] error: {exc} {detail.strip()}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
