@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
 import os
 import pwd
@@ -632,6 +633,26 @@ def s3_ready() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- airflow
+def fill_placeholders(node, values: dict):
+    """Replace ${name} in a profile's values; a value that is one whole placeholder keeps its type (ports)."""
+    if isinstance(node, dict):
+        return {key: fill_placeholders(value, values) for key, value in node.items()}
+    if isinstance(node, list):
+        return [fill_placeholders(value, values) for value in node]
+    if not isinstance(node, str):
+        return node
+    whole = node.strip()
+    if whole.startswith("${") and whole.endswith("}") and whole.count("${") == 1:
+        name = whole[2:-1]
+        if name not in values:
+            raise RuntimeError(f"profile {PROFILE}: unknown placeholder ${{{name}}}; known: {', '.join(sorted(values))}")
+        return values[name]
+    try:
+        return Template(node).substitute(values)
+    except (KeyError, ValueError) as exc:
+        raise RuntimeError(f"profile {PROFILE}: bad placeholder in {node!r}: {exc}") from exc
+
+
 def render_connections() -> dict[str, dict]:
     values = dict(
         STACK,
@@ -641,18 +662,7 @@ def render_connections() -> dict[str, dict]:
         s3_access_key=secret("s3-access-key", P.local_secrets, 12),
         s3_secret_key=secret("s3-secret-key", P.local_secrets),
     )
-
-    def fill(node):
-        if isinstance(node, dict):
-            return {k: fill(v) for k, v in node.items()}
-        if isinstance(node, str):
-            whole = node.strip()
-            if whole.startswith("${") and whole.endswith("}") and whole.count("${") == 1:
-                return values[whole[2:-1]]  # keeps ints as ints (ports)
-            return Template(node).substitute(values)
-        return node
-
-    return {conn_id: fill(spec) for conn_id, spec in PROF["connections"].items()}
+    return {conn_id: fill_placeholders(spec, values) for conn_id, spec in PROF["connections"].items()}
 
 
 def fernet_key(nbytes: int) -> str:
@@ -812,8 +822,16 @@ def cmd_up(names: list[str]) -> int:
     if any(s.name.startswith("airflow") for s in chosen):
         migrate_airflow_db()
     pending: list[Service] = []
+    env_digest = hashlib.sha256(json.dumps(airflow_env(), sort_keys=True).encode()).hexdigest()
     for svc in chosen:
-        if svc.ready():
+        stamp = P.run_dir / f"{svc.name}.env"
+        restart = bool(svc.name.startswith("airflow") and svc.owned_pid() and stamp.exists()
+                       and stamp.read_text() != env_digest)
+        if restart:
+            # A running component keeps the environment it was started with (connections included).
+            log(f"{svc.name}: environment changed since it started; restarting it")
+            stop_pid(svc, svc.owned_pid())
+        if not restart and svc.ready():
             note = "" if svc.owned_pid() else " (not started by this checkout; left alone by `down`)"
             log(f"{svc.name}: already up{note}")
             continue
@@ -821,6 +839,8 @@ def cmd_up(names: list[str]) -> int:
         pid = svc.start()
         if pid:
             svc.pidfile.write_text(f"{pid}\n")
+        if svc.name.startswith("airflow"):
+            stamp.write_text(env_digest)
         # Daemons that others depend on must be ready before the next starts; the leaves are waited for below.
         if svc.name in ("munge", "mariadb", "slurmdbd", "slurmctld", "spark-master"):
             wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)

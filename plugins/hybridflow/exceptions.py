@@ -1,0 +1,29 @@
+"""The package's narrow exceptions. Each message says what was wrong and what to do about it."""
+
+
+class HybridflowError(Exception):
+    """Base class of every error the package raises on purpose."""
+
+
+class ConfigError(HybridflowError, ValueError):
+    """A configuration file or profile is invalid; the message names the file, the key and the fix."""
+
+
+class TritonError(HybridflowError):
+    """A call to the Triton server failed; the message carries the server's own error text."""
+
+
+class InvalidJobSpecError(HybridflowError, ValueError):
+    """A Slurm job spec field is invalid; the message names the field and the fix."""
+
+
+class SlurmOutputParseError(HybridflowError):
+    """A Slurm command printed something the parser does not understand; the message quotes the text."""
+
+
+class SlurmConnectionError(HybridflowError):
+    """The Slurm login node could not be reached or failed host key verification."""
+
+
+class HealthCheckError(HybridflowError):
+    """A component of the estate does not answer as it should."""
