@@ -46,8 +46,11 @@ APT_PACKAGES = [
 REQUIRED_BINARIES = ["munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "mariadbd", "mariadb-install-db", "sshd"]
 
 
+T0 = time.monotonic()
+
+
 def log(msg: str) -> None:
-    print(f"[localstack] {msg}", flush=True)
+    print(f"[localstack {time.monotonic() - T0:5.1f}s] {msg}", flush=True)
 
 
 def run(cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -533,36 +536,33 @@ def spark_home() -> Path:
 
 def spark_env() -> dict:
     return dict(
-        os.environ, SPARK_HOME=str(spark_home()), SPARK_LOCAL_IP="127.0.0.1", SPARK_PID_DIR=str(P.spark / "run"),
-        SPARK_LOG_DIR=str(P.spark / "logs"), SPARK_IDENT_STRING="hybridflow", SPARK_WORKER_DIR=str(P.spark / "work"),
-        SPARK_NO_DAEMONIZE="",
-        PYSPARK_PYTHON=str(VENV / "bin/python"), PATH=f"{VENV / 'bin'}:{os.environ['PATH']}",
+        os.environ, SPARK_HOME=str(spark_home()), SPARK_LOCAL_IP="127.0.0.1", SPARK_LOG_DIR=str(P.spark / "logs"),
+        SPARK_WORKER_DIR=str(P.spark / "work"), PYSPARK_PYTHON=str(VENV / "bin/python"),
+        PATH=f"{VENV / 'bin'}:{os.environ['PATH']}",
     )
 
 
-SPARK_MASTER = "org.apache.spark.deploy.master.Master"
-SPARK_WORKER = "org.apache.spark.deploy.worker.Worker"
-
-
-def spark_daemon(cls: str, args: list[str]) -> int:
+def spark_class(cls: str, args: list[str], logname: str) -> int:
+    """Run a Spark daemon in the foreground of its own session (spark-class execs java: the PID is the JVM's)."""
     env = spark_env()
-    env.pop("SPARK_NO_DAEMONIZE")
-    for sub in ("run", "logs", "work"):
+    for sub in ("logs", "work"):
         (P.spark / sub).mkdir(parents=True, exist_ok=True)
-    run([f"{env['SPARK_HOME']}/sbin/spark-daemon.sh", "start", cls, "1", *args], env=env)
-    return wait_pidfile(P.spark / "run" / f"spark-hybridflow-{cls}-1.pid")
+    return spawn([f"{env['SPARK_HOME']}/bin/spark-class", cls, *args], P.logs / logname, env=env)
 
 
 def start_spark_master() -> int:
-    return spark_daemon(SPARK_MASTER, ["--host", "127.0.0.1", "--port", str(STACK["spark_master_port"]),
-                                       "--webui-port", str(STACK["spark_master_ui_port"])])
+    return spark_class("org.apache.spark.deploy.master.Master", [
+        "--host", "127.0.0.1", "--port", str(STACK["spark_master_port"]),
+        "--webui-port", str(STACK["spark_master_ui_port"]),
+    ], "spark-master.log")
 
 
 def start_spark_worker() -> int:
-    return spark_daemon(SPARK_WORKER, [
+    # The worker retries its registration, so it need not wait for the master.
+    return spark_class("org.apache.spark.deploy.worker.Worker", [
         "--host", "127.0.0.1", "--cores", str(STACK["spark_worker_cores"]), "--memory", STACK["spark_worker_memory"],
         "--webui-port", str(STACK["spark_worker_ui_port"]), f"spark://127.0.0.1:{STACK['spark_master_port']}",
-    ])
+    ], "spark-worker.log")
 
 
 def spark_worker_ready() -> bool:
@@ -726,7 +726,7 @@ def airflow(*args: str, env: dict) -> subprocess.CompletedProcess:
 def migrate_airflow_db() -> None:
     env = write_airflow_files()
     stamp = P.airflow_home / ".migrated"
-    version = run([str(VENV / "bin/python"), "-c", "import airflow; print(airflow.__version__)"]).stdout.strip()
+    version = ",".join(sorted(p.name for p in (VENV / "lib").glob("python3*/site-packages/apache_airflow-*.dist-info")))
     if not stamp.exists() or stamp.read_text() != version:
         log("migrating the Airflow metadata DB")
         airflow("db", "migrate", env=env)
@@ -776,9 +776,9 @@ def services() -> list[Service]:
                 logfile=P.slurm / "log/slurmd.log"),
         Service("sshd", sshd_ready, start_sshd, comm="sshd", endpoint=f"ssh://{JOB_USER}@127.0.0.1:{sp}"),
         Service("spark-master", lambda: port_open(STACK["spark_master_port"]), start_spark_master, comm="java",
-                endpoint=f"spark://127.0.0.1:{STACK['spark_master_port']}", logfile=P.spark / "logs"),
+                endpoint=f"spark://127.0.0.1:{STACK['spark_master_port']}", logfile=P.logs / "spark-master.log"),
         Service("spark-worker", spark_worker_ready, start_spark_worker, comm="java",
-                endpoint=f"http://127.0.0.1:{STACK['spark_worker_ui_port']}", logfile=P.spark / "logs"),
+                endpoint=f"http://127.0.0.1:{STACK['spark_worker_ui_port']}", logfile=P.logs / "spark-worker.log"),
         Service("triton", triton_ready, start_triton, comm="tritonserver", endpoint=f"http://127.0.0.1:{tp}",
                 logfile=P.logs / "triton.log"),
         Service("s3", s3_ready, start_s3, comm="moto_server", endpoint=f"http://127.0.0.1:{STACK['s3_port']}",
@@ -823,7 +823,8 @@ def cmd_up(names: list[str]) -> int:
         migrate_airflow_db()
     pending: list[Service] = []
     env_digest = hashlib.sha256(json.dumps(airflow_env(), sort_keys=True).encode()).hexdigest()
-    for svc in chosen:
+    # Airflow's components are the slowest to start and need nothing from the cluster: start them first.
+    for svc in sorted(chosen, key=lambda svc: not svc.name.startswith("airflow")):
         stamp = P.run_dir / f"{svc.name}.env"
         restart = bool(svc.name.startswith("airflow") and svc.owned_pid() and stamp.exists()
                        and stamp.read_text() != env_digest)
@@ -842,12 +843,13 @@ def cmd_up(names: list[str]) -> int:
         if svc.name.startswith("airflow"):
             stamp.write_text(env_digest)
         # Daemons that others depend on must be ready before the next starts; the leaves are waited for below.
-        if svc.name in ("munge", "mariadb", "slurmdbd", "slurmctld", "spark-master"):
+        if svc.name in ("munge", "mariadb", "slurmdbd", "slurmctld"):
             wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)
         else:
             pending.append(svc)
     for svc in pending:
         wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)
+        log(f"{svc.name}: ready")
     log(f"up in {time.monotonic() - t0:.1f} s")
     return cmd_status(names, as_json=False)
 

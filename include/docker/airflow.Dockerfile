@@ -24,18 +24,19 @@ RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/wh
         "pyspark==$(python -c 'import importlib.metadata as m; print(m.version("pyspark"))')"
 
 # The Spark master and worker run from this image too (docker-compose.yaml): executors then have the driver's
-# Python, pandas, pyarrow, torch and hybridflow. SPARK_HOME is a stable path to the pyspark package, which holds
-# bin/spark-class and the jars; find_spec locates it without importing it (and writing bytecode as root).
+# Python, pandas, pyarrow, torch and hybridflow. SPARK_HOME is a stable path to the pyspark package, which
+# holds bin/spark-class and the jars; find_spec locates it without importing it (or writing bytecode as root).
 USER root
-RUN ln -sfn "$(python -B -c 'import importlib.util as u; print(u.find_spec("pyspark").submodule_search_locations[0])')" \
-        /opt/spark \
+RUN pyspark_init="$(python -B -c 'import importlib.util as u; print(u.find_spec("pyspark").origin)')" \
+ && ln -sfn "$(dirname "${pyspark_init}")" /opt/spark \
  && test -x /opt/spark/bin/spark-class \
  && test -d /opt/spark/jars
 ENV SPARK_HOME=/opt/spark
 
 # Airflow's entrypoint runs `airflow <command>` after waiting for the metadata database, so the Spark services
-# use this one. It keeps what Spark needs from Airflow's: a passwd entry for an arbitrary UID (the JVM's Hadoop
-# login fails without a user name) and umask 0002, so files written to the shared volume stay group-writable.
+# use this one. It keeps what Spark needs from Airflow's: a passwd entry for an arbitrary UID (the JVM's
+# Hadoop login fails without a user name) and umask 0002, so files written to the shared volume stay
+# group-writable.
 COPY --chmod=0755 <<'SCRIPT' /usr/local/bin/spark-entrypoint
 #!/bin/bash
 set -euo pipefail

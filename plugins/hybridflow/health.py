@@ -11,6 +11,16 @@ import time
 from hybridflow.exceptions import HealthCheckError
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
+from hybridflow.utils.slurm import (
+    SACCT_FORMAT,
+    SINFO_GPU_FORMAT,
+    SUCCESS_STATES,
+    is_final,
+    latest_by_job_id,
+    parse_sacct,
+    parse_sbatch_parsable,
+    parse_sinfo_gpus,
+)
 
 GPU_PROBE_SCRIPT = """#!/bin/bash
 echo "host=$(hostname) user=$(id -un) gpus=${CUDA_VISIBLE_DEVICES:-none}"
@@ -18,25 +28,27 @@ echo "host=$(hostname) user=$(id -un) gpus=${CUDA_VISIBLE_DEVICES:-none}"
 
 
 def check_slurm_partition(ssh_conn_id: str, partition: str) -> dict:
-    """The partition exists, is up, and declares GPUs."""
+    """The partition has at least one schedulable node with GPUs declared."""
     hook = SlurmHook(ssh_conn_id)
     try:
-        result = hook.run(["sinfo", "--noheader", "--partition", partition, "--format", "%a|%G|%D|%T"])
+        result = hook.run(["sinfo", "--noheader", "--Node", "--partition", partition, "--Format", SINFO_GPU_FORMAT])
     finally:
         hook.close()
-    rows = [line.split("|") for line in result.stdout.splitlines() if line.strip()]
-    if result.returncode != 0 or not rows:
+    nodes = parse_sinfo_gpus(result.stdout) if result.returncode == 0 else []
+    if not nodes:
         raise HealthCheckError(
-            f"slurm: partition {partition!r} not found on {hook.endpoint} ({result.stderr.strip() or 'no rows'}); "
-            "check the partition name in the pipeline config and `sinfo` on the login node"
+            f"slurm: partition {partition!r} not found on {hook.endpoint} ({result.stderr.strip() or 'no nodes'}); "
+            "check the partition name and `sinfo` on the login node; see include/runbooks/platform-healthcheck.md"
         )
-    availability, gres, nodes, state = rows[0]
-    if availability != "up" or "gpu" not in gres:
+    usable = [n for n in nodes if n.available and n.gpus_total > 0]
+    if not usable:
+        states = ", ".join(f"{n.name}={n.state}{n.flags} gpus={n.gpus_total}" for n in nodes)
         raise HealthCheckError(
-            f"slurm: partition {partition!r} is {availability} with GRES {gres!r} ({state}); "
+            f"slurm: partition {partition!r} has no schedulable GPU node ({states}); "
             "see include/runbooks/platform-healthcheck.md"
         )
-    return {"partition": partition, "gres": gres, "nodes": int(nodes), "state": state}
+    return {"partition": partition, "nodes": len(usable), "gpus_total": sum(n.gpus_total for n in usable),
+            "gpus_free": sum(n.gpus_free for n in usable)}
 
 
 def run_gpu_probe_job(ssh_conn_id: str, partition: str, timeout_s: float = 120) -> dict:
@@ -50,17 +62,19 @@ def run_gpu_probe_job(ssh_conn_id: str, partition: str, timeout_s: float = 120) 
         )
         if submitted.returncode != 0:
             raise HealthCheckError(f"slurm: sbatch on {hook.endpoint} failed: {submitted.stderr.strip()}")
-        job_id = submitted.stdout.strip().split(";")[0]
+        job_id = parse_sbatch_parsable(submitted.stdout)
         deadline = time.monotonic() + timeout_s
         delay = 0.5
         while time.monotonic() < deadline:
-            acct = hook.run(["sacct", "-X", "-P", "-n", "-j", job_id, "--format=State,ExitCode,AllocTRES"])
-            fields = acct.stdout.strip().split("|") if acct.stdout.strip() else []
-            state = fields[0].split()[0] if fields else ""
-            if state == "COMPLETED":
-                return {"job_id": job_id, "state": state, "alloc_tres": fields[2]}
-            if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"):
-                raise HealthCheckError(f"slurm: probe job {job_id} ended {state} (exit {fields[1]})")
+            acct = hook.run(["sacct", "-X", "-P", "-n", "-j", job_id, f"--format={SACCT_FORMAT}"])
+            record = latest_by_job_id(parse_sacct(acct.stdout)).get(job_id) if acct.returncode == 0 else None
+            if record and is_final(record.state, requeue_enabled=False):
+                if record.state not in SUCCESS_STATES:
+                    raise HealthCheckError(
+                        f"slurm: probe job {job_id} ended {record.state} (exit {record.exit_code}:{record.exit_signal})"
+                    )
+                return {"job_id": job_id, "state": record.state, "gpus": record.gpus,
+                        "elapsed_s": record.elapsed_seconds}
             time.sleep(delay)
             delay = min(delay * 2, 8)
         hook.run(["scancel", job_id])

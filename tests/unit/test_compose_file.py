@@ -1,8 +1,9 @@
 """docker-compose.yaml read as data: the production-like stack keeps its safety and wiring rules.
 
 Docker is not needed: the file is parsed with PyYAML (merge keys resolve the x-* anchors as compose does) and
-every rule is checked on the parsed services, so a regression names the service and the key that broke it. The
-Dockerfiles the services build are read as text for what the compose file relies on (COPY sources, SPARK_HOME).
+every rule is checked on the parsed services, so a regression names the service and the key that broke it.
+The Dockerfiles the services build are read as text for what the compose file relies on (COPY sources,
+SPARK_HOME, the Spark entrypoint).
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ SPARK_DAEMONS = {
     "spark-worker": "org.apache.spark.deploy.worker.Worker",
 }
 SPARK_SERVICES = sorted(SPARK_DAEMONS)
-AIRFLOW_DOCKERFILE = REPO / COMPOSE["x-airflow-common"]["build"]["context"] / COMPOSE["x-airflow-common"]["build"][
-    "dockerfile"
-]
-# pyproject.toml names README.md as the package's readme, so the Airflow image COPYs it and cannot build without
-# it. It is being written: until it lands, its case is skipped, not failed. Any other missing source fails.
+AIRFLOW_BUILD = COMPOSE["x-airflow-common"]["build"]
+AIRFLOW_DOCKERFILE = REPO / AIRFLOW_BUILD["context"] / AIRFLOW_BUILD["dockerfile"]
+# pyproject.toml names README.md as the package's readme, so the Airflow image COPYs it and cannot build
+# without it. It is being written: until it lands, its case is skipped, not failed. Any other missing source
+# fails.
 PENDING_CONTEXT_FILES = {"README.md"}
 
 SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|KEY")
@@ -121,7 +122,7 @@ PUBLISHED_PORTS = [(name, port) for name, service in SERVICES.items() for port i
 BUILDS = [(name, service["build"]) for name, service in SERVICES.items() if "build" in service]
 
 
-# `<<EOF`, `<<-EOF`, `<<'EOF'`, `<<"EOF"`: a heredoc (dockerfile syntax >= 1.4), whose body is not instructions.
+# `<<EOF`, `<<-EOF`, `<<'EOF'`, `<<"EOF"`: a heredoc (dockerfile syntax >= 1.4); its body is no instruction.
 HEREDOC = re.compile(r"<<-?(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
 GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -154,7 +155,10 @@ def _dockerfile_copies(path: Path) -> list[dict]:
         if keyword.upper() not in {"COPY", "ADD"}:
             continue
         flags_text, arguments_text = re.fullmatch(r"((?:--\S+\s+)*)(.*)", rest.strip()).groups()
-        arguments = json.loads(arguments_text) if arguments_text.startswith("[") else shlex.split(arguments_text)
+        if arguments_text.startswith("["):
+            arguments = json.loads(arguments_text)
+        else:
+            arguments = shlex.split(arguments_text)
         sources = [
             source for source in arguments[:-1] if not source.startswith("<<") and "://" not in source
         ]
@@ -267,7 +271,7 @@ def test_compose_airflow_image_is_built_not_pip_installed_at_start():
 
 
 @pytest.mark.parametrize("name", AIRFLOW_SERVICES)
-@pytest.mark.parametrize("folder", ["dags", "plugins", "include", "logs"])
+@pytest.mark.parametrize("folder", ["dags", "plugins", "include", "jobs", "logs"])
 def test_compose_airflow_service_mounts_project_folder(name, folder):
     assert _mounts(SERVICES[name]).get(f"/opt/airflow/{folder}") == f"./{folder}"
 
@@ -441,7 +445,8 @@ def test_compose_spark_worker_imports_the_driver_plugins():
 
 def test_dockerfile_copy_sources_are_found_in_the_airflow_dockerfile():
     """Guards the parser: the COPY-source test below must not pass by seeing nothing."""
-    airflow = (COMPOSE["x-airflow-common"]["build"]["context"], COMPOSE["x-airflow-common"]["build"]["dockerfile"])
+    build = COMPOSE["x-airflow-common"]["build"]
+    airflow = (build["context"], build["dockerfile"])
     sources = {source for context, dockerfile, source in CONTEXT_COPIES if (context, dockerfile) == airflow}
     assert {"pyproject.toml", "README.md", "plugins/hybridflow"} <= sources
 
@@ -453,7 +458,7 @@ def test_dockerfile_copy_source_exists_in_build_context(context, dockerfile, sou
     root = REPO / context
     found = any(root.glob(source)) if GLOB_CHARS.search(source) else (root / source).exists()
     if not found and source in PENDING_CONTEXT_FILES:
-        pytest.skip(f"{source} is not in the repository yet; {dockerfile} COPYs it, so the image cannot build")
+        pytest.skip(f"{source} is not in the repository yet; {dockerfile} COPYs it: the image cannot build")
     assert found, f"{dockerfile} COPYs {source}, which is not in the build context {root}"
 
 
