@@ -169,9 +169,10 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def http_ok(url: str) -> bool:
+def http_ok(url: str, timeout_s: float = 5) -> bool:
+    # Generous: on 2 busy cores a healthy server can take seconds to answer.
     try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return 200 <= resp.status < 300
     except OSError:
         return False
@@ -567,7 +568,7 @@ def start_spark_worker() -> int:
 
 def spark_worker_ready() -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{STACK['spark_master_ui_port']}/json/", timeout=1) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{STACK['spark_master_ui_port']}/json/", timeout=5) as resp:
             return any(w.get("state") == "ALIVE" for w in json.load(resp).get("workers", []))
     except (OSError, ValueError):
         return False
@@ -629,7 +630,7 @@ def start_s3() -> int:
 
 
 def s3_ready() -> bool:
-    return http_ok(f"http://127.0.0.1:{STACK['s3_port']}/moto-api/data.json")
+    return http_ok(f"http://127.0.0.1:{STACK['s3_port']}/")
 
 
 # ---------------------------------------------------------------------------------------------- airflow
@@ -750,7 +751,7 @@ def airflow_component_ready(component: str) -> Callable[[], bool]:
     def ready() -> bool:
         try:
             with urllib.request.urlopen(
-                f"http://127.0.0.1:{STACK['airflow_api_port']}/api/v2/monitor/health", timeout=1
+                f"http://127.0.0.1:{STACK['airflow_api_port']}/api/v2/monitor/health", timeout=5
             ) as resp:
                 health = json.load(resp)
         except (OSError, ValueError):

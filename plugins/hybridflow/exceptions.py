@@ -27,3 +27,16 @@ class SlurmConnectionError(HybridflowError):
 
 class HealthCheckError(HybridflowError):
     """A component of the estate does not answer as it should."""
+
+
+class SlurmSubmitError(HybridflowError):
+    """sbatch refused a job; the message carries Slurm's reason."""
+
+
+class SlurmJobFailed(HybridflowError):
+    """A Slurm job ended in a state other than COMPLETED; the message names the job, state, exit code, log tail
+    and runbook."""
+
+
+class SlurmConnectionLost(SlurmConnectionError):
+    """The SSH connection dropped or timed out; worth reconnecting within a budget."""

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import shlex
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from airflow.providers.ssh.hooks.ssh import SSHHook, SSHHookAsync
 from airflow.sdk import BaseHook
 
-from hybridflow.exceptions import SlurmConnectionError
+from hybridflow.exceptions import SlurmConnectionError, SlurmConnectionLost, SlurmSubmitError
+from hybridflow.utils.slurm import parse_sbatch_parsable
+from hybridflow.utils.slurm_jobs import (
+    SlurmJobStatus,
+    job_ids_by_name,
+    sacct_argv,
+    sacct_by_name_argv,
+    scontrol_argv,
+    scontrol_says_unknown,
+    squeue_by_name_argv,
+    status_from_sacct,
+    status_from_scontrol,
+)
 
 
 @dataclass(frozen=True)
@@ -43,9 +57,7 @@ class SlurmHook(BaseHook):
         self.timeout_s = timeout_s
 
     @cached_property
-    def ssh_hook(self):
-        from airflow.providers.ssh.hooks.ssh import SSHHook
-
+    def ssh_hook(self) -> SSHHook:
         hook = SSHHook(ssh_conn_id=self.ssh_conn_id, conn_retry_attempts=self.conn_retry_attempts)
         if hook.no_host_key_check or hook.allow_host_key_change:
             raise SlurmConnectionError(
@@ -95,6 +107,49 @@ class SlurmHook(BaseHook):
         stderr = stderr_f.read().decode(errors="replace")
         return RemoteResult(stdout_f.channel.recv_exit_status(), stdout, stderr)
 
+    def submit(self, script: str) -> str:
+        """sbatch the script (sent on stdin, never on the command line); returns the job id."""
+        result = self.run(["sbatch", "--parsable"], stdin=script)
+        if result.returncode != 0:
+            raise SlurmSubmitError(f"sbatch on {self.endpoint} refused the job: {result.stderr.strip()}")
+        return parse_sbatch_parsable(result.stdout)
+
+    def status(self, job_id: str) -> SlurmJobStatus | None:
+        """The job's state from the controller, or from accounting once the controller has forgotten it."""
+        shown = self.run(scontrol_argv(job_id))
+        if shown.returncode == 0:
+            return status_from_scontrol(shown.stdout)
+        if not scontrol_says_unknown(shown.returncode, shown.stderr):
+            raise SlurmConnectionError(f"scontrol on {self.endpoint} failed: {shown.stderr.strip()}")
+        return status_from_sacct(self.run(sacct_argv(job_id)).stdout, job_id)
+
+    def find_by_name(self, name: str) -> list[SlurmJobStatus]:
+        """Every job with this name that the queue or accounting knows, oldest first."""
+        queued = self.run(squeue_by_name_argv(name))
+        accounted = self.run(sacct_by_name_argv(name))
+        ids = job_ids_by_name(queued.stdout, accounted.stdout, name)
+        return [status for status in map(self.status, ids) if status is not None]
+
+    def cancel(self, job_id: str, wait_s: float = 15) -> SlurmJobStatus | None:
+        """scancel, then confirm from the job's state: scancel exits 0 even for jobs it did not touch."""
+        self.run(["scancel", job_id])
+        deadline = time.monotonic() + wait_s
+        status = self.status(job_id)
+        while status is not None and not status.final(requeue_enabled=False) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status = self.status(job_id)
+        return status
+
+    def tail(self, path: str, lines: int = 50) -> str:
+        if not path:
+            return ""
+        result = self.run(["tail", "-n", str(lines), "--", path])
+        return result.stdout if result.returncode == 0 else ""
+
+    def read_text(self, path: str) -> str | None:
+        result = self.run(["cat", "--", path])
+        return result.stdout if result.returncode == 0 else None
+
     def close(self) -> None:
         if "ssh_hook" in self.__dict__ and self.ssh_hook.client is not None:
             self.ssh_hook.client.close()
@@ -103,3 +158,76 @@ class SlurmHook(BaseHook):
     def test_connection(self) -> tuple[bool, str]:
         result = self.run(["sinfo", "--version"])
         return result.returncode == 0, (result.stdout or result.stderr).strip()
+
+
+class SlurmAsyncHook:
+    """
+    The trigger side: the same commands and parsers as :class:`SlurmHook`, over one reused asyncssh connection
+    from the ssh provider's async hook.
+
+    A lost connection raises :class:`SlurmConnectionLost` (the caller reconnects within its budget); a host key
+    that does not verify raises :class:`SlurmConnectionError` and is never retried.
+    """
+
+    def __init__(self, ssh_conn_id: str = SlurmHook.default_conn_name):
+        self.ssh_conn_id = ssh_conn_id
+        self._conn = None
+
+    async def _connection(self):
+        if self._conn is None:
+            import asyncssh
+
+            try:
+                self._conn = await _PortAwareSSHHookAsync(ssh_conn_id=self.ssh_conn_id).get_conn()
+            except (asyncssh.HostKeyNotVerifiable, asyncssh.PermissionDenied) as exc:
+                raise SlurmConnectionError(
+                    f"SSH to connection {self.ssh_conn_id!r} refused: {exc}; check the 'host_key' extra and the key"
+                ) from exc
+            except (OSError, asyncssh.Error) as exc:
+                raise SlurmConnectionLost(f"cannot reach connection {self.ssh_conn_id!r}: {exc}") from exc
+        return self._conn
+
+    async def run(self, argv: Sequence[str], stdin: str | None = None, timeout_s: float = 60) -> RemoteResult:
+        import asyncssh
+
+        conn = await self._connection()
+        try:
+            result = await conn.run(shlex.join(argv), input=stdin, check=False, timeout=timeout_s)
+        except (OSError, asyncssh.Error, TimeoutError) as exc:
+            await self.close()
+            raise SlurmConnectionLost(f"SSH command on connection {self.ssh_conn_id!r} failed: {exc}") from exc
+        return RemoteResult(result.exit_status or 0, str(result.stdout or ""), str(result.stderr or ""))
+
+    async def status(self, job_id: str) -> SlurmJobStatus | None:
+        shown = await self.run(scontrol_argv(job_id))
+        if shown.returncode == 0:
+            return status_from_scontrol(shown.stdout)
+        if not scontrol_says_unknown(shown.returncode, shown.stderr):
+            raise SlurmConnectionLost(f"scontrol failed: {shown.stderr.strip()}")
+        return status_from_sacct((await self.run(sacct_argv(job_id))).stdout, job_id)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _port_aware_known_hosts(host: str, port: int, host_key: str) -> bytes:
+    """One known_hosts line for the connection's host key; OpenSSH writes non-22 ports as [host]:port."""
+    pattern = host if port == 22 else f"[{host}]:{port}"
+    return f"{pattern} {' '.join(host_key.split()[:2])}\n".encode()
+
+
+class _PortAwareSSHHookAsync(SSHHookAsync):
+    """The provider's async hook, matching a ``host_key`` extra against the connection's real port."""
+
+    def _parse_extras(self, conn) -> None:
+        extra = conn.extra_dejson
+        if str(extra.get("no_host_key_check", "false")).lower() == "true":
+            raise SlurmConnectionError(
+                f"connection {self.ssh_conn_id!r} disables host key verification; remove 'no_host_key_check'"
+            )
+        super()._parse_extras(conn)
+        if extra.get("host_key"):
+            self.known_hosts = _port_aware_known_hosts(self.host or conn.host, self.port or conn.port or 22,
+                                                       extra["host_key"])

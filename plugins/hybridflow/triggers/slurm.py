@@ -1,0 +1,158 @@
+"""Follows one Slurm job from the triggerer until it ends, over one reused SSH connection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from hybridflow.exceptions import SlurmConnectionError, SlurmConnectionLost
+from hybridflow.hooks.slurm import SlurmAsyncHook
+from hybridflow.utils.progress import describe_progress
+
+# A job just submitted can be missing from both scontrol and accounting for a moment.
+UNKNOWN_JOB_GRACE_POLLS = 10
+
+
+class SlurmJobTrigger(BaseTrigger):
+    """
+    Polls the job (scontrol, then sacct once the controller forgot it) with a backoff that restarts whenever
+    the state changes, follows it through requeues, logs its progress file, and yields exactly one event:
+    ``{"status": "success"|"failed"|"error", ...}`` with the job's state, exit code, elapsed time and TRES.
+
+    :param job_id: the Slurm job to follow.
+    :param ssh_conn_id: connection to the login node.
+    :param requeue_enabled: whether PREEMPTED/NODE_FAIL are followed by a requeue rather than final.
+    :param max_requeues: cancel and fail once the job has restarted more often than this.
+    :param poll_interval_s: the longest wait between two polls.
+    :param reconnect_budget_s: how long SSH may stay unreachable before the trigger gives up (the job runs on).
+    :param progress_path: the job's progress JSON on the cluster, logged at most every ``progress_every_s``.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        ssh_conn_id: str,
+        requeue_enabled: bool = True,
+        max_requeues: int = 3,
+        poll_interval_s: float = 10.0,
+        min_poll_interval_s: float = 1.0,
+        reconnect_budget_s: float = 300.0,
+        progress_path: str = "",
+        progress_every_s: float = 30.0,
+    ):
+        super().__init__()
+        self.job_id = job_id
+        self.ssh_conn_id = ssh_conn_id
+        self.requeue_enabled = requeue_enabled
+        self.max_requeues = max_requeues
+        self.poll_interval_s = poll_interval_s
+        self.min_poll_interval_s = min_poll_interval_s
+        self.reconnect_budget_s = reconnect_budget_s
+        self.progress_path = progress_path
+        self.progress_every_s = progress_every_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "hybridflow.triggers.slurm.SlurmJobTrigger",
+            {
+                "job_id": self.job_id,
+                "ssh_conn_id": self.ssh_conn_id,
+                "requeue_enabled": self.requeue_enabled,
+                "max_requeues": self.max_requeues,
+                "poll_interval_s": self.poll_interval_s,
+                "min_poll_interval_s": self.min_poll_interval_s,
+                "reconnect_budget_s": self.reconnect_budget_s,
+                "progress_path": self.progress_path,
+                "progress_every_s": self.progress_every_s,
+            },
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = SlurmAsyncHook(self.ssh_conn_id)
+        try:
+            yield TriggerEvent(await self._follow(hook))
+        finally:
+            await hook.close()
+
+    async def _follow(self, hook: SlurmAsyncHook) -> dict:
+        delay = self.min_poll_interval_s
+        seen: tuple[str, int] | None = None
+        unknown_polls = 0
+        lost_since: float | None = None
+        reconnect_delay = 1.0
+        last_progress = 0.0
+        while True:
+            try:
+                status = await hook.status(self.job_id)
+                lost_since, reconnect_delay = None, 1.0
+            except SlurmConnectionLost as exc:
+                lost_since = lost_since or time.monotonic()
+                down_for = time.monotonic() - lost_since
+                if down_for > self.reconnect_budget_s:
+                    return self._error(
+                        f"lost SSH to the login node (connection {self.ssh_conn_id!r}) for {down_for:.0f} s, over the "
+                        f"budget of {self.reconnect_budget_s:.0f} s: {exc}. Job {self.job_id} was left running; "
+                        "check the login node's sshd, then clear the task: it reattaches to the job"
+                    )
+                self.log.warning("SSH lost (%s); reconnecting in %.1f s (down %.0f s of %.0f s budget)", exc,
+                                 reconnect_delay, down_for, self.reconnect_budget_s)
+                await asyncio.sleep(reconnect_delay * random.uniform(0.8, 1.2))
+                reconnect_delay = min(reconnect_delay * 2, 15.0)
+                continue
+            except SlurmConnectionError as exc:
+                return self._error(str(exc))
+
+            if status is None:
+                unknown_polls += 1
+                if unknown_polls > UNKNOWN_JOB_GRACE_POLLS:
+                    return self._error(f"Slurm knows no job {self.job_id} (neither scontrol nor sacct)")
+            else:
+                if (status.state, status.restarts) != seen:
+                    seen = (status.state, status.restarts)
+                    delay = self.min_poll_interval_s
+                    restarts = f", restarts {status.restarts}" if status.restarts else ""
+                    reason = f" ({status.reason})" if status.reason not in ("", "None") else ""
+                    self.log.info("Slurm job %s is %s%s%s", self.job_id, status.state, reason, restarts)
+                if status.final(self.requeue_enabled):
+                    event = status.to_event()
+                    event["status"] = "success" if status.succeeded else "failed"
+                    return event
+                if status.restarts > self.max_requeues:
+                    await hook.run(["scancel", self.job_id])
+                    event = status.to_event()
+                    event.update(status="failed", message=(
+                        f"job {self.job_id} restarted {status.restarts} times, over max_requeues={self.max_requeues}; "
+                        "cancelled it"))
+                    return event
+                if self.progress_path and time.monotonic() - last_progress >= self.progress_every_s:
+                    last_progress = time.monotonic()
+                    await self._log_progress(hook)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.poll_interval_s)
+
+    async def _log_progress(self, hook: SlurmAsyncHook) -> None:
+        result = await hook.run(["cat", "--", self.progress_path])
+        if result.returncode != 0:
+            return
+        try:
+            self.log.info("progress: %s", describe_progress(json.loads(result.stdout)))
+        except ValueError:
+            self.log.info("progress file %s is being rewritten; next time", self.progress_path)
+
+    def _error(self, message: str) -> dict:
+        return {"status": "error", "job_id": self.job_id, "message": message}
+
+    async def on_kill(self) -> None:
+        """The task was marked failed or cleared while deferred: cancel the job (a triggerer restart does not)."""
+        hook = SlurmAsyncHook(self.ssh_conn_id)
+        try:
+            await hook.run(["scancel", self.job_id])
+            self.log.info("cancelled Slurm job %s because the task was stopped", self.job_id)
+        finally:
+            await hook.close()

@@ -1,0 +1,133 @@
+"""Pure pieces of tracking one Slurm job: the commands to ask about it, and one status from their answers.
+
+The sync hook (operators, sensors) and the async hook (triggers) run the same argv lists and feed the output
+to the same functions, so both sides agree on what a job's state is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+
+from hybridflow.utils.slurm import (
+    SACCT_FORMAT,
+    SQUEUE_FORMAT,
+    SUCCESS_STATES,
+    _parse_duration,
+    is_final,
+    latest_by_job_id,
+    normalise_state,
+    parse_sacct,
+    parse_scontrol_show_job,
+    parse_squeue,
+    scontrol_exit_code,
+    scontrol_restarts,
+)
+
+# How far back a lookup by name searches accounting (sacct's default is "since midnight").
+NAME_LOOKUP_WINDOW = "now-14days"
+
+
+@dataclass(frozen=True)
+class SlurmJobStatus:
+    """What is known of one job, from whichever source still knows it (scontrol, then sacct)."""
+
+    job_id: str
+    name: str
+    state: str
+    source: str
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    elapsed_s: float | None = None
+    restarts: int = 0
+    reason: str = ""
+    alloc_tres: Mapping[str, str] = field(default_factory=dict)
+    stdout_path: str = ""
+    stderr_path: str = ""
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state in SUCCESS_STATES
+
+    def final(self, requeue_enabled: bool) -> bool:
+        return is_final(self.state, requeue_enabled)
+
+    def to_event(self) -> dict:
+        """JSON-safe form for trigger events and XCom."""
+        event = asdict(self)
+        event["alloc_tres"] = dict(self.alloc_tres)
+        return event
+
+    @classmethod
+    def from_event(cls, event: Mapping) -> SlurmJobStatus:
+        keys = cls.__dataclass_fields__.keys()
+        return cls(**{k: v for k, v in event.items() if k in keys})
+
+
+def scontrol_argv(job_id: str) -> list[str]:
+    return ["scontrol", "show", "job", "--oneliner", job_id]
+
+
+def sacct_argv(job_id: str) -> list[str]:
+    return ["sacct", "-X", "-P", "-n", "-j", job_id, f"--format={SACCT_FORMAT}"]
+
+
+def squeue_by_name_argv(name: str) -> list[str]:
+    # --states=all also lists jobs that ended within MinJobAge, which sacct may still show as "allocation".
+    return ["squeue", "--noheader", "--states=all", f"--name={name}", "-o", SQUEUE_FORMAT]
+
+
+def sacct_by_name_argv(name: str) -> list[str]:
+    return ["sacct", "-X", "-P", "-n", f"--name={name}", f"--starttime={NAME_LOOKUP_WINDOW}",
+            f"--format={SACCT_FORMAT}"]
+
+
+def scontrol_says_unknown(returncode: int, stderr: str) -> bool:
+    """After MinJobAge the controller forgets a job: only accounting knows it then."""
+    return returncode != 0 and "Invalid job id" in stderr
+
+
+def status_from_scontrol(stdout: str) -> SlurmJobStatus:
+    fields = parse_scontrol_show_job(stdout)
+    state, _ = normalise_state(fields.get("JobState", ""))
+    code, signal = scontrol_exit_code(fields)
+    tres = dict(item.split("=", 1) for item in fields.get("TRES", "").split(",") if "=" in item)
+    return SlurmJobStatus(
+        job_id=fields["JobId"], name=fields.get("JobName", ""), state=state, source="scontrol",
+        exit_code=code, exit_signal=signal, elapsed_s=_parse_duration(fields.get("RunTime", "0:0:0")),
+        restarts=scontrol_restarts(fields), reason=fields.get("Reason", ""), alloc_tres=tres,
+        stdout_path=fields.get("StdOut", ""), stderr_path=fields.get("StdErr", ""),
+    )
+
+
+def status_from_sacct(stdout: str, job_id: str) -> SlurmJobStatus | None:
+    record = latest_by_job_id(parse_sacct(stdout)).get(job_id)
+    if record is None:
+        return None
+    return SlurmJobStatus(
+        job_id=record.job_id, name=record.job_name, state=record.state, source="sacct",
+        exit_code=record.exit_code, exit_signal=record.exit_signal, elapsed_s=record.elapsed_seconds,
+        alloc_tres=dict(record.alloc_tres),
+    )
+
+
+def job_ids_by_name(squeue_stdout: str, sacct_stdout: str, name: str) -> list[str]:
+    """Every job id carrying this name in the queue or in accounting, oldest first."""
+    ids = {r.job_id for r in parse_squeue(squeue_stdout) if r.name == name}
+    ids |= {r.job_id for r in parse_sacct(sacct_stdout) if r.job_name == name}
+    return sorted(ids, key=int)
+
+
+def job_to_reattach(statuses: Iterable[SlurmJobStatus], requeue_enabled: bool) -> SlurmJobStatus | None:
+    """
+    The job a (re)started task should follow instead of submitting: the newest one still alive, else the newest
+    one that succeeded. A job that failed belonged to a try that failed; a retry submits anew.
+    """
+    ordered = sorted(statuses, key=lambda s: int(s.job_id), reverse=True)
+    for status in ordered:
+        if not status.final(requeue_enabled):
+            return status
+    for status in ordered:
+        if status.succeeded:
+            return status
+    return None
