@@ -42,8 +42,10 @@ SERVING_VENV = REPO / ".venv-serving"
 
 APT_PACKAGES = [
     "munge", "slurmctld", "slurmd", "slurm-client", "slurmdbd", "mariadb-server", "openssh-server", "openssh-client",
+    "python3-venv",
 ]
 REQUIRED_BINARIES = ["munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "mariadbd", "mariadb-install-db", "sshd"]
+CLUSTER_PYTHON = "/usr/bin/python3"  # the cluster's own interpreter, not this checkout's (maybe under /root)
 
 
 T0 = time.monotonic()
@@ -82,6 +84,14 @@ class Paths:
     def storage(self) -> Path:
         """Shared storage seen by Airflow, Spark, the Slurm jobs (over SSH) and Triton."""
         return self.cluster / "storage"
+
+    @property
+    def cluster_venv(self) -> Path:
+        return self.cluster / "cluster-venv"
+
+    @property
+    def cluster_code(self) -> Path:
+        return self.cluster / "code"
 
     @property
     def cluster_secrets(self) -> Path:
@@ -306,6 +316,33 @@ def ensure_storage() -> None:
         ensure_dir(P.storage / sub, owner=JOB_USER, mode=0o755)
     for sub in ("features", "raw", "predictions", "models", "model-repository", "reports"):
         ensure_dir(P.storage / sub, mode=0o755)
+
+
+def ensure_cluster_env() -> None:
+    """The job environment on the cluster: a venv from Debian's python3 with include/cluster/requirements.txt."""
+    requirements = REPO / "include/cluster/requirements.txt"
+    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    stamp = P.cluster_venv / ".installed"
+    if stamp.exists() and stamp.read_text() == digest:
+        return
+    if not Path(CLUSTER_PYTHON).exists() or run([CLUSTER_PYTHON, "-c", "import ensurepip"], check=False).returncode:
+        raise RuntimeError(f"{CLUSTER_PYTHON} with the venv module is needed for the cluster's job environment; "
+                           "apt-get install python3-venv")
+    log(f"building the cluster job environment {P.cluster_venv} (once; ~1-2 min)")
+    subprocess.run([CLUSTER_PYTHON, "-m", "venv", str(P.cluster_venv)], check=True)
+    subprocess.run([str(P.cluster_venv / "bin/python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "-r", str(requirements)], check=True)
+    stamp.write_text(digest)
+
+
+def deploy_jobs() -> None:
+    """Ship jobs/ to the cluster's filesystem, as a release would: the job user reads it from there."""
+    target = P.cluster_code / "jobs"
+    staging = P.cluster_code / ".jobs.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(REPO / "jobs", staging, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
 
 
 # ---------------------------------------------------------------------------------------------- munge
@@ -700,6 +737,8 @@ def airflow_env() -> dict[str, str]:
         "HYBRIDFLOW_STORAGE_ROOT": str(P.storage),
         "HYBRIDFLOW_CLUSTER_DIR": str(P.cluster),
         "HYBRIDFLOW_JOB_USER": JOB_USER,
+        "HYBRIDFLOW_CLUSTER_PYTHON": str(P.cluster_venv / "bin/python"),
+        "HYBRIDFLOW_CLUSTER_JOBS_DIR": str(P.cluster_code / "jobs"),
         "HYBRIDFLOW_STATE_DIR": str(STATE),
         "PYSPARK_PYTHON": str(VENV / "bin/python"),
         "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
@@ -818,6 +857,8 @@ def cmd_up(names: list[str]) -> int:
     ensure_job_user()
     ensure_storage()
     ensure_client_key()
+    ensure_cluster_env()
+    deploy_jobs()
     write_airflow_files()
     chosen = by_name(names)
     if any(s.name.startswith("airflow") for s in chosen):
