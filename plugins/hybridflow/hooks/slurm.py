@@ -12,7 +12,8 @@ from airflow.providers.ssh.hooks.ssh import SSHHook, SSHHookAsync
 from airflow.sdk import BaseHook
 
 from hybridflow.exceptions import SlurmConnectionError, SlurmConnectionLost, SlurmSubmitError
-from hybridflow.utils.slurm import parse_sbatch_parsable
+from hybridflow.utils.capacity import CapacityVerdict, capacity_squeue_argv, capacity_sinfo_argv, capacity_verdict
+from hybridflow.utils.slurm import parse_sbatch_parsable, parse_sinfo_gpus, parse_squeue
 from hybridflow.utils.slurm_jobs import (
     SlurmJobStatus,
     job_ids_by_name,
@@ -140,6 +141,13 @@ class SlurmHook(BaseHook):
             status = self.status(job_id)
         return status
 
+    def capacity(self, partition: str, gpus_per_node: int, nodes: int = 1) -> CapacityVerdict:
+        """Whether the partition could start a job of this shape now, and why not."""
+        sinfo = self.run(capacity_sinfo_argv(partition))
+        pending = self.run(capacity_squeue_argv(partition))
+        return capacity_verdict(partition, parse_sinfo_gpus(sinfo.stdout), parse_squeue(pending.stdout),
+                                gpus_per_node, nodes)
+
     def tail(self, path: str, lines: int = 50) -> str:
         if not path:
             return ""
@@ -205,6 +213,12 @@ class SlurmAsyncHook:
         if not scontrol_says_unknown(shown.returncode, shown.stderr):
             raise SlurmConnectionLost(f"scontrol failed: {shown.stderr.strip()}")
         return status_from_sacct((await self.run(sacct_argv(job_id))).stdout, job_id)
+
+    async def capacity(self, partition: str, gpus_per_node: int, nodes: int = 1) -> CapacityVerdict:
+        sinfo = await self.run(capacity_sinfo_argv(partition))
+        pending = await self.run(capacity_squeue_argv(partition))
+        return capacity_verdict(partition, parse_sinfo_gpus(sinfo.stdout), parse_squeue(pending.stdout),
+                                gpus_per_node, nodes)
 
     async def close(self) -> None:
         if self._conn is not None:

@@ -156,3 +156,59 @@ class SlurmJobTrigger(BaseTrigger):
             self.log.info("cancelled Slurm job %s because the task was stopped", self.job_id)
         finally:
             await hook.close()
+
+
+class SlurmCapacityTrigger(BaseTrigger):
+    """Waits until the partition can start a job of the given shape; yields ``{"status": "ready", ...}``."""
+
+    def __init__(self, partition: str, gpus_per_node: int, nodes: int, ssh_conn_id: str, poke_interval_s: float = 30,
+                 reconnect_budget_s: float = 300.0, timeout_s: float = 6 * 3600, started_at: float | None = None):
+        super().__init__()
+        # Wall-clock start survives a triggerer restart through serialize(), so the deadline does not move.
+        self.started_at = started_at if started_at is not None else time.time()
+        self.timeout_s = timeout_s
+        self.partition = partition
+        self.gpus_per_node = gpus_per_node
+        self.nodes = nodes
+        self.ssh_conn_id = ssh_conn_id
+        self.poke_interval_s = poke_interval_s
+        self.reconnect_budget_s = reconnect_budget_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("hybridflow.triggers.slurm.SlurmCapacityTrigger", {
+            "partition": self.partition, "gpus_per_node": self.gpus_per_node, "nodes": self.nodes,
+            "ssh_conn_id": self.ssh_conn_id, "poke_interval_s": self.poke_interval_s,
+            "reconnect_budget_s": self.reconnect_budget_s, "timeout_s": self.timeout_s, "started_at": self.started_at,
+        })
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        hook = SlurmAsyncHook(self.ssh_conn_id)
+        last_reason = None
+        lost_since: float | None = None
+        try:
+            while True:
+                try:
+                    verdict = await hook.capacity(self.partition, self.gpus_per_node, self.nodes)
+                    lost_since = None
+                except SlurmConnectionLost as exc:
+                    lost_since = lost_since or time.monotonic()
+                    if time.monotonic() - lost_since > self.reconnect_budget_s:
+                        yield TriggerEvent({"status": "error", "message": f"login node unreachable: {exc}"})
+                        return
+                    await asyncio.sleep(5)
+                    continue
+                except SlurmConnectionError as exc:
+                    yield TriggerEvent({"status": "error", "message": str(exc)})
+                    return
+                if verdict.can_run_now:
+                    yield TriggerEvent({"status": "ready", "reason": verdict.reason, "gpus_free": verdict.gpus_free})
+                    return
+                if verdict.reason != last_reason:
+                    self.log.info("waiting for capacity: %s", verdict.reason)
+                    last_reason = verdict.reason
+                if time.time() - self.started_at > self.timeout_s:
+                    yield TriggerEvent({"status": "timeout", "reason": verdict.reason})
+                    return
+                await asyncio.sleep(self.poke_interval_s)
+        finally:
+            await hook.close()

@@ -1,0 +1,54 @@
+"""Gate a stage on a complete training checkpoint: its manifest verified file by file."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from airflow.sdk import BaseSensorOperator, PokeReturnValue
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+
+class CheckpointSensor(BaseSensorOperator):
+    """
+    Waits for the newest checkpoint under ``checkpoint_root`` (a directory on the cluster's filesystem, read over
+    SSH, or an ``s3://`` prefix) whose ``MANIFEST.json`` verifies: every listed file present with its size and,
+    unless ``verify_hashes`` is off, its sha256. Incomplete or corrupt newer checkpoints are logged and skipped.
+    Returns (and pushes) ``{"name", "step", "path", "metrics"}``.
+
+    :param checkpoint_root: ``<run_dir>/checkpoints`` or ``s3://bucket/prefix`` (templated).
+    :param min_step: only a checkpoint at or after this step counts (templated).
+    """
+
+    template_fields: Sequence[str] = ("checkpoint_root", "min_step")
+
+    def __init__(self, *, checkpoint_root: str, min_step: int | str = 0, verify_hashes: bool = True,
+                 ssh_conn_id: str = "slurm_ssh", storage_conn_id: str = "storage_s3", **kwargs):
+        kwargs.setdefault("mode", "reschedule")
+        kwargs.setdefault("poke_interval", 30)
+        super().__init__(**kwargs)
+        self.checkpoint_root = checkpoint_root
+        self.min_step = min_step
+        self.verify_hashes = verify_hashes
+        self.ssh_conn_id = ssh_conn_id
+        self.storage_conn_id = storage_conn_id
+
+    def poke(self, context: Context) -> PokeReturnValue:
+        from hybridflow.hooks.checkpoints import newest_complete, open_store
+
+        store = open_store(self.checkpoint_root, self.ssh_conn_id, self.storage_conn_id)
+        verdict, rejected = newest_complete(store, int(self.min_step), self.verify_hashes)
+        for bad in rejected:
+            self.log.warning("skipping %s/%s: %s", self.checkpoint_root, bad.name, "; ".join(bad.problems))
+        if verdict is None:
+            self.log.info("no complete checkpoint at or after step %s under %s yet", self.min_step,
+                          self.checkpoint_root)
+            return PokeReturnValue(is_done=False)
+        self.log.info("complete checkpoint %s (step %d, %d files verified)", verdict.name, verdict.step,
+                      len(verdict.manifest["files"]))
+        return PokeReturnValue(is_done=True, xcom_value={
+            "name": verdict.name, "step": verdict.step, "path": f"{self.checkpoint_root.rstrip('/')}/{verdict.name}",
+            "metrics": verdict.manifest.get("metrics", {}),
+        })

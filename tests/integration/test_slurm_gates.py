@@ -1,0 +1,155 @@
+"""Capacity and checkpoint gates against the real local Slurm, sshd and S3 endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from hybridflow.hooks.checkpoints import S3CheckpointStore, SshCheckpointStore, newest_complete
+from hybridflow.hooks.slurm import SlurmHook
+from hybridflow.hooks.storage import StorageHook
+
+
+@pytest.fixture
+def all_gpus_taken(stack):
+    """A job holding every GPU of the partition, cancelled at the end."""
+    hook = SlurmHook()
+    job_id = hook.submit("#!/bin/bash\nsleep 600\n".replace("#!/bin/bash\n", "#!/bin/bash\n#SBATCH --partition=gpu-training\n"
+                                                             "#SBATCH --gres=gpu:8\n#SBATCH --output=/dev/null\n"))
+    deadline = time.monotonic() + 30
+    while hook.status(job_id).state != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    yield hook, job_id
+    hook.cancel(job_id)
+    hook.close()
+
+
+def test_slurm_capacity_sensor_waits_while_gpus_are_taken_and_proceeds_when_freed(all_gpus_taken):
+    from hybridflow.sensors.slurm import SlurmCapacitySensor
+
+    hook, job_id = all_gpus_taken
+    sensor = SlurmCapacitySensor(task_id="capacity", partition="gpu-training", gpus_per_node=1)
+    assert sensor.poke({}) is False
+    assert "gpu-node-01" in sensor.last_reason and "0/8 free" in sensor.last_reason
+    hook.cancel(job_id)
+    assert sensor.poke({}) is True
+
+
+def test_slurm_capacity_trigger_yields_ready_once_the_gpus_free_up(all_gpus_taken):
+    """The deferrable path: the trigger's own async SSH connection (host key verified on port 2222)."""
+    from hybridflow.triggers.slurm import SlurmCapacityTrigger
+
+    hook, job_id = all_gpus_taken
+    trigger = SlurmCapacityTrigger(partition="gpu-training", gpus_per_node=2, nodes=1, ssh_conn_id="slurm_ssh",
+                                   poke_interval_s=1, timeout_s=120)
+    freer = threading.Timer(4, lambda: SlurmHook().cancel(job_id))
+    freer.start()
+
+    async def first_event():
+        async for event in trigger.run():
+            return event.payload
+
+    started = time.monotonic()
+    event = asyncio.run(first_event())
+    assert event["status"] == "ready"
+    assert time.monotonic() - started >= 3  # it really waited for the job to go
+
+
+def test_slurm_capacity_trigger_times_out_with_the_reason(all_gpus_taken):
+    from hybridflow.triggers.slurm import SlurmCapacityTrigger
+
+    trigger = SlurmCapacityTrigger(partition="gpu-training", gpus_per_node=1, nodes=1, ssh_conn_id="slurm_ssh",
+                                   poke_interval_s=1, timeout_s=2)
+
+    async def first_event():
+        async for event in trigger.run():
+            return event.payload
+
+    event = asyncio.run(first_event())
+    assert event["status"] == "timeout"
+    assert "0/8 free" in event["reason"]
+
+
+def write_checkpoint(root: Path, step: int, files: dict[str, bytes], manifest: bool = True, corrupt: str = ""):
+    step_dir = root / f"step_{step}"
+    step_dir.mkdir(parents=True)
+    entries = []
+    for name, data in files.items():
+        (step_dir / name).write_bytes(data)
+        entries.append({"path": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    if manifest:
+        (step_dir / "MANIFEST.json").write_text(json.dumps(
+            {"format": "hybridtrain-checkpoint/1", "tag": f"step_{step}", "step": step, "epoch": 0,
+             "files": entries, "metrics": {"loss": 1.0 / step}}))
+    if corrupt == "truncate":
+        (step_dir / next(iter(files))).write_bytes(next(iter(files.values()))[:3])
+    elif corrupt == "flip":
+        data = bytearray(next(iter(files.values())))
+        data[0] ^= 0xFF
+        (step_dir / next(iter(files))).write_bytes(bytes(data))
+    return step_dir
+
+
+@pytest.fixture
+def checkpoint_tree(stack):
+    """step_10 complete; step_20 without a manifest; step_30 truncated; step_40 with a flipped byte."""
+    root = Path(stack["HYBRIDFLOW_STORAGE_ROOT"]) / "checkpoints" / f"test-{uuid.uuid4().hex[:8]}"
+    payload = {"model.pt": b"weights-" * 100, "optim.pt": b"state-" * 50}
+    write_checkpoint(root, 10, payload)
+    write_checkpoint(root, 20, payload, manifest=False)
+    write_checkpoint(root, 30, payload, corrupt="truncate")
+    write_checkpoint(root, 40, payload, corrupt="flip")
+    yield root
+    shutil.rmtree(root)
+
+
+def assert_newest_complete_is_step_10(verdict, rejected):
+    assert verdict is not None and verdict.step == 10
+    reasons = {bad.step: " ".join(bad.problems) for bad in rejected}
+    assert set(reasons) == {20, 30, 40}
+    assert "no MANIFEST.json" in reasons[20]
+    assert "truncated" in reasons[30]
+    assert "sha256" in reasons[40]
+
+
+def test_checkpoint_over_ssh_rejects_missing_truncated_and_corrupt(checkpoint_tree):
+    hook = SlurmHook()
+    try:
+        assert_newest_complete_is_step_10(*newest_complete(SshCheckpointStore(str(checkpoint_tree), hook)))
+    finally:
+        hook.close()
+
+
+def test_checkpoint_in_s3_rejects_missing_truncated_and_corrupt(checkpoint_tree):
+    hook = StorageHook("storage_s3")
+    bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
+    hook.client.create_bucket(Bucket=bucket)
+    for path in checkpoint_tree.rglob("*"):
+        if path.is_file():
+            hook.upload_file(str(path), bucket, f"runs/r1/checkpoints/{path.relative_to(checkpoint_tree)}")
+    assert_newest_complete_is_step_10(*newest_complete(S3CheckpointStore(f"s3://{bucket}/runs/r1/checkpoints", hook)))
+
+
+def test_checkpoint_sensor_pokes_until_a_complete_checkpoint_exists(stack, tmp_path):
+    from hybridflow.sensors.checkpoint import CheckpointSensor
+
+    root = Path(stack["HYBRIDFLOW_STORAGE_ROOT"]) / "checkpoints" / f"test-{uuid.uuid4().hex[:8]}"
+    root.mkdir(parents=True)
+    try:
+        sensor = CheckpointSensor(task_id="ckpt", checkpoint_root=str(root), min_step=50)
+        write_checkpoint(root, 10, {"model.pt": b"x" * 10})
+        assert sensor.poke({}).is_done is False  # step 10 is older than min_step
+        write_checkpoint(root, 60, {"model.pt": b"y" * 10})
+        result = sensor.poke({})
+        assert result.is_done is True
+        assert result.xcom_value["step"] == 60 and result.xcom_value["path"].endswith("/step_60")
+    finally:
+        shutil.rmtree(root)
