@@ -40,3 +40,12 @@ class SlurmJobFailed(HybridflowError):
 
 class SlurmConnectionLost(SlurmConnectionError):
     """The SSH connection dropped or timed out; worth reconnecting within a budget."""
+
+
+class DataQualityError(HybridflowError):
+    """A partition failed the data quality gate; the message names each failed check, its column, the observed
+    and expected values, and the runbook. ``results`` holds every check result of the gate."""
+
+    def __init__(self, message: str, results: tuple = ()) -> None:
+        super().__init__(message)
+        self.results = tuple(results)

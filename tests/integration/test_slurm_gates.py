@@ -22,8 +22,8 @@ from hybridflow.hooks.storage import StorageHook
 def all_gpus_taken(stack):
     """A job holding every GPU of the partition, cancelled at the end."""
     hook = SlurmHook()
-    job_id = hook.submit("#!/bin/bash\nsleep 600\n".replace("#!/bin/bash\n", "#!/bin/bash\n#SBATCH --partition=gpu-training\n"
-                                                             "#SBATCH --gres=gpu:8\n#SBATCH --output=/dev/null\n"))
+    job_id = hook.submit("#!/bin/bash\n#SBATCH --partition=gpu-training\n#SBATCH --gres=gpu:8\n"
+                         "#SBATCH --output=/dev/null\nsleep 600\n")
     deadline = time.monotonic() + 30
     while hook.status(job_id).state != "RUNNING" and time.monotonic() < deadline:
         time.sleep(0.5)
