@@ -49,3 +49,7 @@ class DataQualityError(HybridflowError):
     def __init__(self, message: str, results: tuple = ()) -> None:
         super().__init__(message)
         self.results = tuple(results)
+
+
+class GateFailed(HybridflowError):
+    """A gate refused to let the pipeline go on; the message names the figures and the runbook."""

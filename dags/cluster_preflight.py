@@ -1,0 +1,60 @@
+"""
+### Cluster preflight: is the interconnect fast enough to train?
+
+Runs `jobs/allreduce_bench.py` as a Slurm job on the GPU partition: torch.distributed all-reduce over
+gradient-sized buffers (NCCL on GPUs, gloo on CPUs) and one measured training step. Records bus bandwidth and
+the all-reduce share of a step; fails when the share is over the configured limit (20% by default). The nightly
+training pipeline refuses to start when the last preflight failed or is stale. Runbook:
+`include/runbooks/preflight.md`.
+"""
+
+from __future__ import annotations
+
+from airflow.sdk import DAG, Param, task
+
+from hybridflow.config import pipeline_config
+from hybridflow.dag_defaults import DEFAULT_ARGS
+from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.preflight import preflight_result_path
+
+config = pipeline_config()
+
+with DAG(
+    dag_id="cluster_preflight",
+    schedule=config.preflight.schedule,
+    catchup=False,
+    max_active_runs=1,
+    default_args=DEFAULT_ARGS,
+    tags=["platform", "gpu", "preflight"],
+    doc_md=__doc__,
+    params={
+        "procs": Param(config.preflight.procs, type="integer", minimum=2, maximum=64,
+                       description="Ranks of the all-reduce (processes on the node)."),
+        "hidden_sizes": Param("128,64", type="string", pattern=r"^[1-9][0-9]{0,5}(,[1-9][0-9]{0,5}){0,7}$",
+                              description="Hidden widths of the model whose gradients are all-reduced, e.g. "
+                                          "4096,4096,2048,1024 for the production preset."),
+    },
+):
+    benchmark = SlurmSubmitOperator(
+        task_id="allreduce_benchmark",
+        command=[config.cluster.python, f"{config.cluster.jobs_dir}/allreduce_bench.py",
+                 "--out", preflight_result_path(config), "--procs", "{{ params.procs }}",
+                 "--hidden-sizes", "{{ params.hidden_sizes }}"],
+        partition=config.cluster.partition,
+        gpus_per_node=config.preflight.gpus_per_node,
+        cpus_per_task=2,
+        time_limit=config.preflight.time_limit_min,
+        requeue=False,
+        signal=None,
+        log_dir=f"{config.storage.root}/runs/preflight/logs",
+        ssh_conn_id=config.cluster.ssh_conn_id,
+        runbook="include/runbooks/preflight.md",
+    )
+
+    @task
+    def allreduce_share_gate() -> str:
+        from hybridflow.preflight import check_latest_preflight
+
+        return check_latest_preflight(pipeline_config())
+
+    benchmark >> allreduce_share_gate()

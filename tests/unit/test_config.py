@@ -1,0 +1,74 @@
+"""The pipeline config: mistakes fail at load time naming the file, the key and the expected type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.config import load_pipeline_config
+from hybridflow.exceptions import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+GOOD = yaml.safe_load((REPO / "include/config/pipeline.yaml").read_text())
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_config_checked_in_file_loads():
+    config = load_pipeline_config()
+    assert config.cluster.partition == "gpu-training"
+    assert config.preflight.max_allreduce_share == 0.2
+
+
+def test_config_env_references_are_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDFLOW_STORAGE_ROOT", "/data/lake")
+    assert load_pipeline_config(write(tmp_path, GOOD)).storage.root == "/data/lake"
+    monkeypatch.delenv("HYBRIDFLOW_STORAGE_ROOT")
+    assert load_pipeline_config(write(tmp_path, GOOD)).storage.root == "/var/lib/hybridflow/storage"
+
+
+def mutate(path: str, value):
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    *parents, leaf = path.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    if value is KeyError:
+        del node[leaf]
+    else:
+        node[leaf] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        ("cluster.max_requeues", "three", "pipeline.cluster.max_requeues: expected int, got str 'three'"),
+        ("cluster.max_requeues", True, "pipeline.cluster.max_requeues: expected int, got bool"),
+        ("cluster.partition", KeyError, "pipeline.cluster.partition: missing (expected str)"),
+        ("cluster.partiton", "x", "pipeline.cluster: unknown key(s) partiton"),
+        ("preflight.max_allreduce_share", 20, "max_allreduce_share: 20.0 is not between 0 and 1"),
+        ("preflight.procs", 1, "an all-reduce needs at least 2 processes"),
+        ("storage", "/data", "pipeline.storage: expected a mapping, got str"),
+        ("storage.root", "${NOT_SET_ANYWHERE}", "environment variable NOT_SET_ANYWHERE is not set"),
+    ],
+)
+def test_config_mistakes_name_file_key_and_type(tmp_path, path, value, message):
+    config_file = write(tmp_path, mutate(path, value))
+    with pytest.raises(ConfigError) as err:
+        load_pipeline_config(config_file)
+    assert str(config_file) in str(err.value)
+    assert message in str(err.value)
+
+
+def test_config_unreadable_yaml_names_the_file(tmp_path):
+    bad = tmp_path / "pipeline.yaml"
+    bad.write_text("cluster: [unclosed\n")
+    with pytest.raises(ConfigError, match=str(bad)):
+        load_pipeline_config(bad)

@@ -1,0 +1,59 @@
+"""Preflight and utilization gates, by tables."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from hybridflow.exceptions import GateFailed
+from hybridflow.utils.gates import preflight_verdict, utilization_report
+
+NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+
+
+def result(share_ms: float, compute_ms: float = 80.0, age: timedelta = timedelta(hours=1)) -> dict:
+    return {"measured_at": (NOW - age).isoformat(), "allreduce_s": share_ms / 1e3, "compute_step_s": compute_ms / 1e3,
+            "allreduce_share": share_ms / (share_ms + compute_ms), "busbw_gbps_at_largest": 180.5, "world_size": 16,
+            "backend": "nccl"}
+
+
+def test_preflight_passes_a_fresh_fast_result():
+    summary = preflight_verdict(result(10), NOW)
+    assert "11.1% of a step" in summary and "180.50 GB/s over 16 ranks (nccl)" in summary
+
+
+@pytest.mark.parametrize(
+    "res, fragment",
+    [
+        (None, "no all-reduce preflight result"),
+        (result(30), "the network is the bottleneck: all-reduce 30.0 ms vs compute 80.0 ms per step = 27.3%"),
+        (result(10, age=timedelta(days=9)), "stale (9 days old, limit 8)"),
+    ],
+    ids=["missing", "slow-network", "stale"],
+)
+def test_preflight_refuses(res, fragment):
+    with pytest.raises(GateFailed, match="Runbook: include/runbooks/preflight.md") as err:
+        preflight_verdict(res, NOW)
+    assert fragment in str(err.value)
+
+
+def test_preflight_threshold_is_configurable():
+    assert preflight_verdict(result(30), NOW, max_share=0.30)
+
+
+@pytest.mark.parametrize(
+    "gpus, elapsed, summary, verdict, hours, fragment",
+    [
+        (8, 1800, {"mean_utilization_pct": 87.0}, "ok", 4.0, "87% mean"),
+        (8, 3600, {"mean_utilization_pct": 15.0}, "low", 8.0, "under the 40% floor"),
+        (1, 360, {"gpu_available": False, "reason": "nvidia-smi not found", "mean_utilization_pct": None},
+         "not_measured", 0.1, "not measured (nvidia-smi not found)"),
+        (2, 60, None, "not_measured", 2 * 60 / 3600, "no GPU metrics"),
+    ],
+)
+def test_utilization_report(gpus, elapsed, summary, verdict, hours, fragment):
+    report = utilization_report(gpus, elapsed, summary)
+    assert report.verdict == verdict
+    assert report.gpu_hours == pytest.approx(hours)
+    assert fragment in report.message
