@@ -2,19 +2,24 @@
 ### Platform health check
 
 Proves every part of the estate answers, end to end through Airflow: the GPU Slurm partition over SSH (host key
-verified; optionally a real one-GPU job), Spark through `spark-submit`, and the Triton server.
-On-call: run it first when a pipeline stage fails for no obvious reason. Runbook:
+verified) with a real one-GPU job followed by the deferrable Slurm operator, Spark through `spark-submit`, and
+the Triton server. On-call: run it first when a pipeline stage fails for no obvious reason. Runbook:
 `include/runbooks/platform-healthcheck.md`.
 """
 
 from __future__ import annotations
 
-from airflow.sdk import Param, dag, task
+from airflow.sdk import DAG, Param, task
 
+from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
+from hybridflow.operators.slurm import SlurmSubmitOperator
 
+config = pipeline_config()
+# The job prints where it ran and, last, when it ended (the trigger_latency benchmark reads that line).
+PROBE = 'echo "host=$(hostname) user=$(id -un) gpus=${CUDA_VISIBLE_DEVICES:-none}"; echo "ended_at=$(date +%s.%N)"'
 
-@dag(
+with DAG(
     dag_id="platform_healthcheck",
     schedule=None,
     catchup=False,
@@ -22,31 +27,43 @@ from hybridflow.dag_defaults import DEFAULT_ARGS
     tags=["platform", "on-call"],
     doc_md=__doc__,
     params={
-        "partition": Param(
-            "gpu-training", type="string", pattern=r"^[A-Za-z0-9_-]{1,64}$",
-            description="Slurm partition that must be up and declare GPUs.",
-        ),
-        "submit_gpu_job": Param(
-            True, type="boolean", description="Also run a one-GPU probe job to COMPLETED on that partition."
-        ),
-        "spark_conn_id": Param(
-            "spark_default", type="string", enum=["spark_default", "spark_standalone"],
-            description="Spark connection to submit the probe job to.",
-        ),
+        "partition": Param(config.cluster.partition, type="string", pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                           description="Slurm partition that must be up and declare GPUs."),
+        "run_spark": Param(True, type="boolean", description="Also spark-submit the probe job."),
+        "spark_conn_id": Param("spark_default", type="string", enum=["spark_default", "spark_standalone"],
+                               description="Spark connection to submit the probe job to."),
     },
-)
-def platform_healthcheck():
+):
+
     @task
     def slurm_partition(params=None) -> dict:
         from hybridflow.health import check_slurm_partition
 
-        return check_slurm_partition("slurm_ssh", params["partition"])
+        return check_slurm_partition(config.cluster.ssh_conn_id, params["partition"])
+
+    gpu_job = SlurmSubmitOperator(
+        task_id="slurm_gpu_job",
+        command=["bash", "-c", PROBE],
+        partition="{{ params.partition }}",
+        gpus_per_node=1,
+        time_limit=2,
+        requeue=False,
+        signal=None,
+        log_dir=f"{config.storage.root}/runs/healthcheck/logs",
+        ssh_conn_id=config.cluster.ssh_conn_id,
+        poll_interval_s=5,
+        runbook="include/runbooks/platform-healthcheck.md",
+    )
 
     @task
-    def slurm_gpu_job(params=None) -> dict | None:
-        from hybridflow.health import run_gpu_probe_job
+    def spark_submit(params=None) -> dict:
+        from airflow.sdk.exceptions import AirflowSkipException
 
-        return run_gpu_probe_job("slurm_ssh", params["partition"]) if params["submit_gpu_job"] else None
+        from hybridflow.health import check_spark
+
+        if not params["run_spark"]:
+            raise AirflowSkipException("run_spark is off")
+        return check_spark(params["spark_conn_id"])
 
     @task
     def triton_server() -> dict:
@@ -54,15 +71,6 @@ def platform_healthcheck():
 
         return check_triton("triton_default")
 
-    @task
-    def spark_submit(params=None) -> dict:
-        from hybridflow.health import check_spark
-
-        return check_spark(params["spark_conn_id"])
-
-    slurm_partition() >> slurm_gpu_job()
+    slurm_partition() >> gpu_job
     spark_submit()
     triton_server()
-
-
-platform_healthcheck()

@@ -1,4 +1,4 @@
-"""Checks that each part of the estate answers: the Slurm GPU partition over SSH, and Triton.
+"""Checks that each part of the estate answers: the Slurm GPU partition over SSH, Spark, and Triton.
 
 Each check raises :class:`~hybridflow.exceptions.HealthCheckError` naming the component, what was seen and
 what to do; on success it returns a small dict of facts for XCom and the task log.
@@ -6,32 +6,18 @@ what to do; on success it returns a small dict of facts for XCom and the task lo
 
 from __future__ import annotations
 
-import time
-
 from hybridflow.exceptions import HealthCheckError
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
-from hybridflow.utils.slurm import (
-    SACCT_FORMAT,
-    SINFO_GPU_FORMAT,
-    SUCCESS_STATES,
-    is_final,
-    latest_by_job_id,
-    parse_sacct,
-    parse_sbatch_parsable,
-    parse_sinfo_gpus,
-)
-
-GPU_PROBE_SCRIPT = """#!/bin/bash
-echo "host=$(hostname) user=$(id -un) gpus=${CUDA_VISIBLE_DEVICES:-none}"
-"""
+from hybridflow.utils.capacity import capacity_sinfo_argv
+from hybridflow.utils.slurm import parse_sinfo_gpus
 
 
 def check_slurm_partition(ssh_conn_id: str, partition: str) -> dict:
     """The partition has at least one schedulable node with GPUs declared."""
     hook = SlurmHook(ssh_conn_id)
     try:
-        result = hook.run(["sinfo", "--noheader", "--Node", "--partition", partition, "--Format", SINFO_GPU_FORMAT])
+        result = hook.run(capacity_sinfo_argv(partition))
     finally:
         hook.close()
     nodes = parse_sinfo_gpus(result.stdout) if result.returncode == 0 else []
@@ -49,38 +35,6 @@ def check_slurm_partition(ssh_conn_id: str, partition: str) -> dict:
         )
     return {"partition": partition, "nodes": len(usable), "gpus_total": sum(n.gpus_total for n in usable),
             "gpus_free": sum(n.gpus_free for n in usable)}
-
-
-def run_gpu_probe_job(ssh_conn_id: str, partition: str, timeout_s: float = 120) -> dict:
-    """Submit a one-GPU job (script on stdin) and wait for it to end COMPLETED in accounting."""
-    hook = SlurmHook(ssh_conn_id)
-    try:
-        submitted = hook.run(
-            ["sbatch", "--parsable", f"--partition={partition}", "--gres=gpu:1", "--time=2",
-             "--job-name=hybridflow-healthcheck", "--output=/dev/null"],
-            stdin=GPU_PROBE_SCRIPT,
-        )
-        if submitted.returncode != 0:
-            raise HealthCheckError(f"slurm: sbatch on {hook.endpoint} failed: {submitted.stderr.strip()}")
-        job_id = parse_sbatch_parsable(submitted.stdout)
-        deadline = time.monotonic() + timeout_s
-        delay = 0.5
-        while time.monotonic() < deadline:
-            acct = hook.run(["sacct", "-X", "-P", "-n", "-j", job_id, f"--format={SACCT_FORMAT}"])
-            record = latest_by_job_id(parse_sacct(acct.stdout)).get(job_id) if acct.returncode == 0 else None
-            if record and is_final(record.state, requeue_enabled=False):
-                if record.state not in SUCCESS_STATES:
-                    raise HealthCheckError(
-                        f"slurm: probe job {job_id} ended {record.state} (exit {record.exit_code}:{record.exit_signal})"
-                    )
-                return {"job_id": job_id, "state": record.state, "gpus": record.gpus,
-                        "elapsed_s": record.elapsed_seconds}
-            time.sleep(delay)
-            delay = min(delay * 2, 8)
-        hook.run(["scancel", job_id])
-        raise HealthCheckError(f"slurm: probe job {job_id} did not finish within {timeout_s:.0f} s; cancelled it")
-    finally:
-        hook.close()
 
 
 def check_spark(spark_conn_id: str) -> dict:
