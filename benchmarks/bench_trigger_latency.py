@@ -1,0 +1,56 @@
+"""trigger_latency: how long after a Slurm job ends does its Airflow task succeed?
+
+Runs the platform_healthcheck DAG (Spark off) on the running local stack N times, one after another. Its
+``slurm_gpu_job`` task is the deferrable SlurmSubmitOperator: the job's last line is ``ended_at=<epoch>`` and
+the task's end_date comes from the REST API, so the figure covers the trigger's polling, the triggerer handing
+the event back, the scheduler queueing the resumed task and execute_complete finishing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from airflow_api import local_api, trigger, wait_for_run  # noqa: E402
+
+DAG_ID = "platform_healthcheck"
+TASK_ID = "slurm_gpu_job"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def job_ended_at(stdout_path: str) -> float:
+    lines = [line for line in Path(stdout_path).read_text().splitlines() if line.startswith("ended_at=")]
+    return float(lines[-1].split("=", 1)[1])
+
+
+def main(runs: int = 10) -> dict:
+    api = local_api()
+    latencies = []
+    for i in range(runs):
+        run_id = trigger(api, DAG_ID, {"run_spark": False})
+        state = wait_for_run(api, DAG_ID, run_id, timeout_s=300)
+        if state != "success":
+            raise RuntimeError(f"{DAG_ID} run {run_id} ended {state}; see the Airflow UI")
+        base = f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{TASK_ID}"
+        ti = api.get(base)
+        result = api.get(f"{base}/xcomEntries/return_value")["value"]
+        latency = datetime.fromisoformat(ti["end_date"]).timestamp() - job_ended_at(result["stdout_path"])
+        latencies.append(latency)
+        print(f"run {i + 1}/{runs}: job {result['job_id']} end -> task success {latency:.2f} s", flush=True)
+    figures = {"runs": runs, "median_s": round(statistics.median(latencies), 2),
+               "p95_s": round(percentile(latencies, 0.95), 2), "max_s": round(max(latencies), 2),
+               "samples_s": [round(x, 2) for x in latencies]}
+    print(f"RESULT trigger_latency median_s={figures['median_s']} p95_s={figures['p95_s']}", flush=True)
+    return figures
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
