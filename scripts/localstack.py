@@ -335,14 +335,19 @@ def ensure_cluster_env() -> None:
     stamp.write_text(digest)
 
 
+CLUSTER_RELEASE = ("jobs", "include/config", "include/deepspeed")
+
+
 def deploy_jobs() -> None:
-    """Ship jobs/ to the cluster's filesystem, as a release would: the job user reads it from there."""
-    target = P.cluster_code / "jobs"
-    staging = P.cluster_code / ".jobs.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(REPO / "jobs", staging, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    """Ship jobs/ and the configs they read to the cluster's filesystem, as a release would."""
+    for part in CLUSTER_RELEASE:
+        target = P.cluster_code / part
+        staging = target.with_name(f".{target.name}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(REPO / part, staging, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
 
 
 # ---------------------------------------------------------------------------------------------- munge
