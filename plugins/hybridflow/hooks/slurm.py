@@ -154,6 +154,12 @@ class SlurmHook(BaseHook):
         result = self.run(["tail", "-n", str(lines), "--", path])
         return result.stdout if result.returncode == 0 else ""
 
+    def write_text(self, path: str, text: str) -> None:
+        """Write a file on the cluster's filesystem as the job user; the content goes on stdin."""
+        result = self.run(["tee", "--", path], stdin=text)
+        if result.returncode != 0:
+            raise SlurmConnectionError(f"cannot write {path} on {self.endpoint}: {result.stderr.strip()}")
+
     def read_text(self, path: str) -> str | None:
         result = self.run(["cat", "--", path])
         return result.stdout if result.returncode == 0 else None

@@ -1,0 +1,68 @@
+"""DeepSpeed training as a Slurm job: the run config written to the cluster, the job followed, metrics back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hybridflow.exceptions import GateFailed
+from hybridflow.operators.slurm import SlurmSubmitOperator
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from hybridflow.utils.slurm_jobs import SlurmJobStatus
+
+METRICS_KEPT = ("auc", "log_loss", "final_step", "train_rows", "wall_time_s", "mean_gpu_utilization_pct")
+
+
+class DeepSpeedTrainingOperator(SlurmSubmitOperator):
+    """
+    Trains with ``jobs/train.py`` on the GPU partition. Writes ``run_config`` (with ``run_dir`` filled in) to
+    ``<run_dir>/config.json`` on the cluster, submits (or reattaches to) the job, logs its progress file while
+    deferred, and returns the job's status with the holdout metrics and a GPU utilization report: GPU-hours from
+    the allocation, mean utilization from the job's own samples. Below ``min_gpu_utilization_pct`` it warns, or
+    fails when ``fail_on_low_utilization``. A retry resumes from the newest complete checkpoint in ``run_dir``.
+
+    :param run_config: the training run config (templated); see jobs/hybridtrain/config.py.
+    :param run_dir: the run's directory on the cluster's filesystem (templated).
+    :param python: the cluster's job interpreter; ``jobs_dir`` where jobs/ is deployed there.
+    """
+
+    template_fields: Sequence[str] = (*SlurmSubmitOperator.template_fields, "run_config", "run_dir")
+    template_fields_renderers = {**SlurmSubmitOperator.template_fields_renderers, "run_config": "json"}
+
+    def __init__(self, *, run_config: Mapping[str, Any], run_dir: str, python: str, jobs_dir: str,
+                 min_gpu_utilization_pct: float = 40.0, fail_on_low_utilization: bool = False, **kwargs):
+        kwargs.setdefault("log_dir", f"{run_dir}/logs")
+        kwargs.setdefault("progress_path", f"{run_dir}/progress.json")
+        super().__init__(command=[python, f"{jobs_dir}/train.py", "--config", f"{run_dir}/config.json"], **kwargs)
+        self.run_config = dict(run_config)
+        self.run_dir = run_dir
+        self.min_gpu_utilization_pct = min_gpu_utilization_pct
+        self.fail_on_low_utilization = fail_on_low_utilization
+
+    def execute(self, context: Context) -> dict:
+        self.hook.run(["mkdir", "-p", "--", self.run_dir])
+        self.hook.write_text(f"{self.run_dir}/config.json",
+                             json.dumps({**self.run_config, "run_dir": self.run_dir}, indent=2, sort_keys=True))
+        return super().execute(context)
+
+    def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:
+        from hybridflow.utils.gates import utilization_report
+
+        result = super()._finish(status, message)  # raises unless the job COMPLETED
+        metrics = json.loads(self.hook.read_text(f"{self.run_dir}/metrics.json") or "{}")
+        gpus = int(status.alloc_tres.get("gres/gpu", 0) or 0)
+        report = utilization_report(gpus, status.elapsed_s or 0, metrics.get("gpu"), self.min_gpu_utilization_pct)
+        if report.verdict == "low" and self.fail_on_low_utilization:
+            raise GateFailed(report.message)
+        (self.log.warning if report.verdict != "ok" else self.log.info)("GPU utilization: %s", report.message)
+        result.update(
+            run_dir=self.run_dir,
+            metrics={k: metrics[k] for k in METRICS_KEPT if k in metrics},
+            utilization={"gpu_hours": report.gpu_hours, "mean_utilization_pct": report.mean_utilization_pct,
+                         "verdict": report.verdict, "message": report.message},
+        )
+        return result
