@@ -14,7 +14,18 @@ if TYPE_CHECKING:
 
     from hybridflow.utils.slurm_jobs import SlurmJobStatus
 
-METRICS_KEPT = ("auc", "log_loss", "final_step", "train_rows", "wall_time_s", "mean_gpu_utilization_pct")
+
+
+def summarise_metrics(metrics: Mapping[str, Any]) -> dict:
+    """The figures of the job's metrics.json that the pipeline passes on (XCom stays small)."""
+    holdout = metrics.get("holdout") or {}
+    return {
+        "auc": holdout.get("auc"), "log_loss": holdout.get("log_loss"), "step": metrics.get("step"),
+        "total_steps": metrics.get("total_steps"), "restarts": metrics.get("restarts"),
+        "resumed_from_step": metrics.get("resumed_from_step"),
+        "train_rows_processed": metrics.get("train_rows_processed"),
+        "mean_gpu_utilization_pct": metrics.get("mean_gpu_utilization_pct"),
+    }
 
 
 class DeepSpeedTrainingOperator(SlurmSubmitOperator):
@@ -61,7 +72,7 @@ class DeepSpeedTrainingOperator(SlurmSubmitOperator):
         (self.log.warning if report.verdict != "ok" else self.log.info)("GPU utilization: %s", report.message)
         result.update(
             run_dir=self.run_dir,
-            metrics={k: metrics[k] for k in METRICS_KEPT if k in metrics},
+            metrics=summarise_metrics(metrics),
             utilization={"gpu_hours": report.gpu_hours, "mean_utilization_pct": report.mean_utilization_pct,
                          "verdict": report.verdict, "message": report.message},
         )
