@@ -1,0 +1,235 @@
+"""Checkpoint manifests: written last, verified before any resume. Standard library only.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    step_40/                  one DeepSpeed checkpoint (engine.save_checkpoint(..., tag="step_40"))
+      mp_rank_00_model_states.pt
+      zero_pp_rank_0_mp_rank_00_optim_states.pt      (ZeRO stages 1-3)
+      MANIFEST.json           written last, atomically (MANIFEST.json.tmp + rename)
+    step_80/ ...
+    zero_to_fp32.py           DeepSpeed's recovery scripts (ZeRO stages), outside the step directories
+
+A step directory is complete only when its ``MANIFEST.json`` exists and every file it lists is present with
+the recorded size and sha256. Anything else in ``checkpoints/`` (a ``step_80`` without a manifest, a truncated
+file, ``*.tmp`` leftovers, other names) is never selected for a resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "MANIFEST_NAME",
+    "CheckpointCheck",
+    "build_manifest",
+    "checkpoint_steps",
+    "checkpoints_to_prune",
+    "remove_checkpoint",
+    "select_resume_checkpoint",
+    "sha256_file",
+    "step_dir_name",
+    "verify_checkpoint",
+    "write_json_atomic",
+    "write_manifest",
+]
+
+MANIFEST_NAME = "MANIFEST.json"
+MANIFEST_FORMAT = "hybridtrain-checkpoint/1"
+_STEP_DIR_RE = re.compile(r"step_(?P<step>0|[1-9]\d*)")
+_REQUIRED_KEYS = ("format", "tag", "step", "epoch", "files", "metrics")
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointCheck:
+    """The outcome of verifying one step directory; ``reason`` says why it is not usable."""
+
+    path: Path
+    step: int | None
+    ok: bool
+    reason: str | None = None
+    manifest: dict[str, Any] | None = None
+
+
+def step_dir_name(step: int) -> str:
+    """The directory (and DeepSpeed tag) of the checkpoint at ``step``: ``step_<n>``."""
+    return f"step_{step}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+    """Write JSON to ``path`` so that readers see the old file or the new one, never a partial one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True, allow_nan=False)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def build_manifest(
+    step_dir: Path,
+    *,
+    step: int,
+    epoch: int,
+    metrics: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Describe every file under ``step_dir`` (relative path, size, sha256), sorted by path.
+
+    :param step: optimizer steps completed when the checkpoint was taken.
+    :param epoch: full passes over the training rows completed at ``step``.
+    :param metrics: the figures at this step (train loss, holdout AUC and log loss).
+    :param extra: more top-level keys (the training plan, versions); they may not replace the ones above.
+    """
+    files = []
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file()):
+        relative = path.relative_to(step_dir).as_posix()
+        if relative == MANIFEST_NAME or relative.endswith(".tmp"):
+            continue
+        files.append({"path": relative, "size": path.stat().st_size, "sha256": sha256_file(path)})
+    manifest = dict(extra or {})
+    manifest.update(
+        format=MANIFEST_FORMAT,
+        tag=step_dir_name(step),
+        step=step,
+        epoch=epoch,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        files=files,
+        metrics=dict(metrics),
+    )
+    return manifest
+
+
+def write_manifest(step_dir: Path, manifest: Mapping[str, Any]) -> Path:
+    """Write ``MANIFEST.json`` into ``step_dir`` atomically, after every checkpoint file is written."""
+    path = step_dir / MANIFEST_NAME
+    write_json_atomic(path, manifest)
+    return path
+
+
+def verify_checkpoint(step_dir: Path, *, check_hashes: bool = True) -> CheckpointCheck:
+    """Check that ``step_dir`` holds a complete checkpoint: its manifest matches the directory name and every
+    listed file is present with the recorded size and sha256. Files the manifest does not list are ignored.
+
+    :param check_hashes: False checks presence and sizes only (no reading of the files' contents).
+    """
+    step_dir = Path(step_dir)
+    match = _STEP_DIR_RE.fullmatch(step_dir.name)
+    step = int(match.group("step")) if match else None
+
+    def bad(reason: str, manifest: dict[str, Any] | None = None) -> CheckpointCheck:
+        return CheckpointCheck(step_dir, step, False, reason, manifest)
+
+    if step is None:
+        return bad(f"{step_dir.name!r} is not a step_<n> directory")
+    manifest_path = step_dir / MANIFEST_NAME
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        return bad(f"no {MANIFEST_NAME} (the save did not finish)")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return bad(f"{MANIFEST_NAME} is unreadable: {error}")
+    if not isinstance(manifest, dict) or any(key not in manifest for key in _REQUIRED_KEYS):
+        return bad(f"{MANIFEST_NAME} lacks one of {list(_REQUIRED_KEYS)}")
+    if manifest["format"] != MANIFEST_FORMAT:
+        return bad(
+            f"{MANIFEST_NAME} format is {manifest['format']!r}, expected {MANIFEST_FORMAT!r}", manifest
+        )
+    if manifest["step"] != step or manifest["tag"] != step_dir.name:
+        return bad(f"{MANIFEST_NAME} is for step {manifest['step']!r}, tag {manifest['tag']!r}", manifest)
+    files = manifest["files"]
+    if not isinstance(files, list) or not files:
+        return bad(f"{MANIFEST_NAME} lists no files", manifest)
+    root = step_dir.resolve()
+    for entry in files:
+        if not isinstance(entry, dict) or not {"path", "size", "sha256"} <= set(entry):
+            return bad(f"{MANIFEST_NAME} has a malformed file entry: {entry!r}", manifest)
+        path = (step_dir / entry["path"]).resolve()
+        if not path.is_relative_to(root):
+            return bad(f"{MANIFEST_NAME} lists a path outside the checkpoint: {entry['path']!r}", manifest)
+        if not path.is_file():
+            return bad(f"{entry['path']} is missing", manifest)
+        size = path.stat().st_size
+        if size != entry["size"]:
+            return bad(f"{entry['path']} has {size} bytes, the manifest says {entry['size']}", manifest)
+        if check_hashes and sha256_file(path) != entry["sha256"]:
+            return bad(f"{entry['path']} does not match its sha256", manifest)
+    return CheckpointCheck(step_dir, step, True, None, manifest)
+
+
+def checkpoint_steps(checkpoints_dir: Path) -> list[tuple[int, Path]]:
+    """The ``step_<n>`` directories under ``checkpoints_dir``, newest first; other names are ignored."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = []
+    for entry in checkpoints_dir.iterdir():
+        match = _STEP_DIR_RE.fullmatch(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group("step")), entry))
+    return sorted(found, reverse=True)
+
+
+def select_resume_checkpoint(checkpoints_dir: Path) -> tuple[CheckpointCheck | None, list[CheckpointCheck]]:
+    """Pick the newest complete checkpoint.
+
+    :return: the selected checkpoint's check (None when there is none) and the checks of the newer step
+        directories that were skipped, each with its reason, for the caller to log.
+    """
+    skipped = []
+    for _, path in checkpoint_steps(checkpoints_dir):
+        check = verify_checkpoint(path)
+        if check.ok:
+            return check, skipped
+        skipped.append(check)
+    return None, skipped
+
+
+def checkpoints_to_prune(checkpoints_dir: Path, keep: int) -> list[Path]:
+    """Step directories older than the ``keep`` newest complete checkpoints (complete or not).
+
+    Nothing is pruned while fewer than ``keep`` complete checkpoints exist, and a directory newer than the
+    oldest kept complete checkpoint is never pruned. Completeness is judged by manifest, presence and sizes
+    (not checksums), so pruning after each save does not re-read every kept checkpoint.
+    """
+    entries = checkpoint_steps(checkpoints_dir)
+    complete = 0
+    for index, (_, path) in enumerate(entries):
+        if verify_checkpoint(path, check_hashes=False).ok:
+            complete += 1
+            if complete == keep:
+                return [older for _, older in entries[index + 1 :]]
+    return []
+
+
+def remove_checkpoint(step_dir: Path) -> None:
+    """Delete a step directory, manifest first, so that an interrupted delete never looks complete."""
+    (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,44 @@
+"""Binary classification metrics in numpy (no scikit-learn on the cluster)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["LOG_LOSS_EPS", "log_loss", "roc_auc"]
+
+LOG_LOSS_EPS = 1e-7
+
+
+def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float | None:
+    """Area under the ROC curve: the probability that a random positive scores above a random negative, ties
+    counting one half (the Mann-Whitney U statistic over average ranks).
+
+    :return: None when ``labels`` holds only one class, where the AUC is undefined.
+    """
+    positive = np.asarray(labels).astype(bool)
+    scores = np.asarray(scores, dtype=np.float64)
+    if positive.shape != scores.shape or positive.ndim != 1:
+        raise ValueError(f"labels {positive.shape} and scores {scores.shape} must be 1-d of one length")
+    n_pos = int(positive.sum())
+    n_neg = len(positive) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return None
+    order = np.argsort(scores, kind="mergesort")
+    ordered = scores[order]
+    starts_group = np.r_[True, ordered[1:] != ordered[:-1]]
+    starts = np.flatnonzero(starts_group)
+    ends = np.r_[starts[1:], len(ordered)]
+    ranks = np.empty(len(ordered), dtype=np.float64)
+    ranks[order] = ((starts + 1 + ends) / 2.0)[np.cumsum(starts_group) - 1]
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def log_loss(labels: np.ndarray, probabilities: np.ndarray) -> float:
+    """Mean binary cross-entropy in nats, probabilities clipped to [LOG_LOSS_EPS, 1 - LOG_LOSS_EPS]."""
+    truth = np.asarray(labels, dtype=np.float64)
+    prob = np.clip(np.asarray(probabilities, dtype=np.float64), LOG_LOSS_EPS, 1.0 - LOG_LOSS_EPS)
+    if truth.shape != prob.shape or truth.ndim != 1 or not len(truth):
+        raise ValueError(
+            f"labels {truth.shape} and probabilities {prob.shape} must be 1-d of one non-zero length"
+        )
+    return float(-np.mean(truth * np.log(prob) + (1.0 - truth) * np.log1p(-prob)))

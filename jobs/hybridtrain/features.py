@@ -1,0 +1,220 @@
+"""Reads the feature partitions the Spark features job published, and splits off the holdout.
+
+A partition is ``<features_root>/ds=YYYY-MM-DD/`` holding Parquet files, ``_SUCCESS`` (written last by the
+features job) and ``_MANIFEST.json`` with ``"feature_columns"``: the ordered numeric columns the model reads.
+Every row also has ``customer_id`` (string) and ``label`` (0 or 1). ``features_root`` is a local path or any
+URI pyarrow's filesystem layer opens (``s3://bucket/prefix`` with the usual AWS environment).
+
+Rows are ordered by (ds, customer_id) whatever the Parquet file layout, so rerunning the features job with a
+different number of output files does not change the training data order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from hybridtrain.errors import FeatureDataError
+
+__all__ = [
+    "HOLDOUT_BUCKETS",
+    "HOLDOUT_RULE",
+    "FeatureSet",
+    "holdout_mask",
+    "partition_path",
+    "read_feature_partitions",
+    "standardization",
+]
+
+SUCCESS_MARKER = "_SUCCESS"
+MANIFEST_NAME = "_MANIFEST.json"
+ID_COLUMN = "customer_id"
+LABEL_COLUMN = "label"
+HOLDOUT_BUCKETS = 10_000
+HOLDOUT_RULE = (
+    "holdout when int.from_bytes(blake2b(customer_id UTF-8, digest_size=8), 'big') % 10000 "
+    "< round(holdout_fraction * 10000)"
+)
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    """All rows of the requested partitions, in (ds, customer_id) order."""
+
+    feature_columns: tuple[str, ...]
+    features: np.ndarray
+    labels: np.ndarray
+    customer_ids: np.ndarray
+    rows_per_partition: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def partition_path(root: str, ds: str) -> str:
+    return f"{root.rstrip('/')}/ds={ds}"
+
+
+def read_feature_partitions(features_root: str, ds_values: tuple[str, ...]) -> FeatureSet:
+    """Read and check every partition.
+
+    :raises FeatureDataError: a partition is missing, has no ``_SUCCESS`` or manifest, the partitions disagree
+        on the feature columns, a column is missing or not numeric, a value is null or not finite, a label is
+        not 0/1, or there are no rows at all. The message names the partition and column.
+    """
+    try:
+        filesystem, root = pafs.FileSystem.from_uri(features_root)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise FeatureDataError(f"features_root {features_root!r} cannot be opened: {error}") from None
+    feature_columns: tuple[str, ...] | None = None
+    tables = []
+    rows_per_partition = {}
+    for ds in ds_values:
+        directory = partition_path(root, ds)
+        where = partition_path(features_root, ds)
+        columns = _partition_columns(filesystem, directory, where)
+        if feature_columns is None:
+            feature_columns = columns
+        elif columns != feature_columns:
+            raise FeatureDataError(
+                f"{where}/{MANIFEST_NAME} lists feature_columns {list(columns)}, but earlier partitions list "
+                f"{list(feature_columns)}: train on partitions of one feature schema"
+            )
+        table = _read_partition(filesystem, directory, where, feature_columns)
+        rows_per_partition[ds] = table.num_rows
+        tables.append(table.sort_by([(ID_COLUMN, "ascending")]))
+    assert feature_columns is not None
+    table = pa.concat_tables(tables)
+    if table.num_rows == 0:
+        raise FeatureDataError(f"partitions {list(ds_values)} under {features_root} hold no rows")
+    features = np.empty((table.num_rows, len(feature_columns)), dtype=np.float32)
+    with np.errstate(over="ignore"):
+        for index, name in enumerate(feature_columns):
+            features[:, index] = table.column(name).to_numpy().astype(np.float32)
+    bad_rows = ~np.isfinite(features).all(axis=1)
+    if bad_rows.any():
+        columns = [name for i, name in enumerate(feature_columns) if not np.isfinite(features[:, i]).all()]
+        raise FeatureDataError(
+            f"{int(bad_rows.sum())} rows have NaN or infinite values (columns {columns}) as float32; the "
+            "features job's quality gate should have quarantined them"
+        )
+    return FeatureSet(
+        feature_columns=feature_columns,
+        features=features,
+        labels=table.column(LABEL_COLUMN).to_numpy().astype(np.float32),
+        customer_ids=np.asarray(table.column(ID_COLUMN).to_pylist(), dtype=object),
+        rows_per_partition=rows_per_partition,
+    )
+
+
+def holdout_mask(customer_ids: np.ndarray, fraction: float) -> np.ndarray:
+    """True for the rows of the holdout: a stable hash of ``customer_id`` (see ``HOLDOUT_RULE``), so a
+    customer is in the same split on every day, in every run and in every process.
+    """
+    threshold = round(fraction * HOLDOUT_BUCKETS)
+    buckets = np.fromiter(
+        (
+            int.from_bytes(hashlib.blake2b(str(cid).encode(), digest_size=8).digest(), "big")
+            % HOLDOUT_BUCKETS
+            for cid in customer_ids
+        ),
+        dtype=np.int64,
+        count=len(customer_ids),
+    )
+    return buckets < threshold
+
+
+def standardization(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-column mean and standard deviation (float64 sums); a constant column gets std 1."""
+    mean = features.mean(axis=0, dtype=np.float64)
+    std = features.std(axis=0, dtype=np.float64)
+    return mean.astype(np.float32), np.where(std > 0, std, 1.0).astype(np.float32)
+
+
+def _partition_columns(filesystem: pafs.FileSystem, directory: str, where: str) -> tuple[str, ...]:
+    info = filesystem.get_file_info(
+        [directory, f"{directory}/{SUCCESS_MARKER}", f"{directory}/{MANIFEST_NAME}"]
+    )
+    if info[0].type != pafs.FileType.Directory:
+        raise FeatureDataError(
+            f"feature partition {where} does not exist: run the features job for that date"
+        )
+    if info[1].type != pafs.FileType.File:
+        raise FeatureDataError(
+            f"feature partition {where} has no {SUCCESS_MARKER}: the features job did not finish"
+        )
+    if info[2].type != pafs.FileType.File:
+        raise FeatureDataError(f"feature partition {where} has no {MANIFEST_NAME}")
+    with filesystem.open_input_stream(f"{directory}/{MANIFEST_NAME}") as stream:
+        try:
+            manifest = json.loads(stream.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise FeatureDataError(f"{where}/{MANIFEST_NAME} is not valid JSON: {error}") from None
+    columns = manifest.get("feature_columns") if isinstance(manifest, dict) else None
+    if (
+        not isinstance(columns, list)
+        or not columns
+        or not all(isinstance(name, str) and name for name in columns)
+        or len(set(columns)) != len(columns)
+        or {ID_COLUMN, LABEL_COLUMN} & set(columns)
+    ):
+        raise FeatureDataError(
+            f"{where}/{MANIFEST_NAME}: feature_columns must be a non-empty list of distinct column names "
+            f"other than {ID_COLUMN} and {LABEL_COLUMN}, got {columns!r}"
+        )
+    return tuple(columns)
+
+
+def _read_partition(
+    filesystem: pafs.FileSystem, directory: str, where: str, feature_columns: tuple[str, ...]
+) -> pa.Table:
+    selector = pafs.FileSelector(directory, recursive=False)
+    files = sorted(
+        entry.path
+        for entry in filesystem.get_file_info(selector)
+        if entry.type == pafs.FileType.File
+        and entry.base_name.endswith(".parquet")
+        and not entry.base_name.startswith(("_", "."))
+    )
+    wanted = [ID_COLUMN, LABEL_COLUMN, *feature_columns]
+    tables = []
+    for path in files:
+        schema = pq.read_schema(path, filesystem=filesystem)
+        missing = [name for name in wanted if name not in schema.names]
+        if missing:
+            raise FeatureDataError(f"{where}/{path.rsplit('/', 1)[-1]} lacks columns {missing}")
+        table = pq.read_table(path, columns=wanted, filesystem=filesystem)
+        _check_types(table, f"{where}/{path.rsplit('/', 1)[-1]}", feature_columns)
+        tables.append(table)
+    if not tables:
+        return pa.table(
+            {ID_COLUMN: pa.array([], pa.string()), LABEL_COLUMN: pa.array([], pa.int32())}
+            | {name: pa.array([], pa.float32()) for name in feature_columns}
+        )
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def _check_types(table: pa.Table, where: str, feature_columns: tuple[str, ...]) -> None:
+    id_type = table.schema.field(ID_COLUMN).type
+    if not (pa.types.is_string(id_type) or pa.types.is_large_string(id_type)):
+        raise FeatureDataError(f"{where}: {ID_COLUMN} must be a string column, got {id_type}")
+    label_type = table.schema.field(LABEL_COLUMN).type
+    if not (pa.types.is_integer(label_type) or pa.types.is_boolean(label_type)):
+        raise FeatureDataError(f"{where}: {LABEL_COLUMN} must be an integer 0/1 column, got {label_type}")
+    for name in feature_columns:
+        column_type = table.schema.field(name).type
+        if not (pa.types.is_integer(column_type) or pa.types.is_floating(column_type)):
+            raise FeatureDataError(f"{where}: feature column {name} must be numeric, got {column_type}")
+    for name in (ID_COLUMN, LABEL_COLUMN, *feature_columns):
+        nulls = table.column(name).null_count
+        if nulls:
+            raise FeatureDataError(f"{where}: column {name} has {nulls} null values")
+    labels = table.column(LABEL_COLUMN).cast(pa.int64())
+    if table.num_rows and not pc.all(pc.is_in(labels, value_set=pa.array([0, 1], pa.int64()))).as_py():
+        raise FeatureDataError(f"{where}: {LABEL_COLUMN} holds values other than 0 and 1")

@@ -1,0 +1,679 @@
+"""The training job from start to finish: data, DeepSpeed, resume, the loop, checkpoints, evaluation, export.
+
+Files under ``run_dir``: ``progress.json`` (see ``progress``), ``checkpoints/step_<n>/`` (see
+``checkpoints``), ``metrics.json`` (written once training finished), ``gpu_metrics.jsonl`` (see ``gpu``),
+``export/`` (see ``export``) and ``torch_extensions/`` (TORCH_EXTENSIONS_DIR, unless set: DeepSpeed builds
+nothing there unless a config asks for a JIT op). Only rank 0 writes files other than checkpoint shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hybridtrain.checkpoints import (
+    MANIFEST_NAME,
+    build_manifest,
+    checkpoints_to_prune,
+    remove_checkpoint,
+    select_resume_checkpoint,
+    step_dir_name,
+    write_json_atomic,
+    write_manifest,
+)
+from hybridtrain.config import RunConfig, deepspeed_settings_for_run, load_run_config
+from hybridtrain.errors import ExitCode, FeatureDataError, ResumeError, TrainingJobError
+from hybridtrain.evaluation import log_loss, roc_auc
+from hybridtrain.features import HOLDOUT_RULE, holdout_mask, read_feature_partitions, standardization
+from hybridtrain.gpu import GpuSampler, read_gpu_metrics, summarise_gpu_metrics
+from hybridtrain.launch import distributed_environment, free_port, restart_count
+from hybridtrain.plan import TrainingPlan, make_plan
+from hybridtrain.preemption import StopRequest, requeue_job
+from hybridtrain.progress import ProgressReporter, read_progress
+
+__all__ = ["PreparedData", "TrainingJob", "main", "prepare_data"]
+
+log = logging.getLogger("hybridtrain")
+
+PROGRESS_FILE = "progress.json"
+METRICS_FILE = "metrics.json"
+GPU_METRICS_FILE = "gpu_metrics.jsonl"
+_EVAL_CHUNK_ROWS = 65_536
+# The engine computes in bf16/fp16 when the DeepSpeed config says so; the export always in float32.
+_EXPORT_TOLERANCE = {True: 1e-5, False: 2e-2}
+_TOKEN_DEFINITION = "one training row (a customer-day of features) = one token"
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The split, standardised arrays the loop reads; ``fingerprint`` identifies the data for resumes."""
+
+    feature_columns: tuple[str, ...]
+    train_x: np.ndarray
+    train_y: np.ndarray
+    holdout_x: np.ndarray
+    holdout_y: np.ndarray
+    holdout_raw: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    rows_per_partition: dict[str, int]
+    fingerprint: str
+
+
+def prepare_data(config: RunConfig) -> PreparedData:
+    """Read the partitions, split off the holdout by customer, and standardise with the training statistics.
+
+    :raises FeatureDataError: the data is invalid, or a split would be empty.
+    """
+    data = read_feature_partitions(config.features_root, config.ds)
+    holdout = holdout_mask(data.customer_ids, config.holdout_fraction)
+    if holdout.all() or not holdout.any():
+        raise FeatureDataError(
+            f"holdout_fraction {config.holdout_fraction} puts {int(holdout.sum())} of {len(data)} rows in "
+            "the holdout: both splits need rows (train on more customers or change holdout_fraction)"
+        )
+    mean, std = standardization(data.features[~holdout])
+    digest = hashlib.sha256("\x1f".join(data.feature_columns).encode())
+    for array in (data.features, data.labels, holdout):
+        digest.update(np.ascontiguousarray(array).data)
+    raw_holdout = data.features[holdout]
+    return PreparedData(
+        feature_columns=data.feature_columns,
+        train_x=(data.features[~holdout] - mean) / std,
+        train_y=data.labels[~holdout],
+        holdout_x=(raw_holdout - mean) / std,
+        holdout_y=data.labels[holdout],
+        holdout_raw=raw_holdout,
+        mean=mean,
+        std=std,
+        rows_per_partition=data.rows_per_partition,
+        fingerprint=digest.hexdigest(),
+    )
+
+
+class TrainingJob:
+    """One attempt of a run: resumes from the newest complete checkpoint and trains to the planned step."""
+
+    def __init__(self, config: RunConfig, stop: StopRequest, started: float) -> None:
+        self.config = config
+        self.stop = stop
+        self.rank = 0
+        self.reporter: ProgressReporter | None = None
+        self.started = started
+
+    # --- the attempt ----------------------------------------------------------------------------------------
+
+    def run(self) -> ExitCode:
+        config = self.config
+        environment = distributed_environment(os.environ, free_port)
+        os.environ.update(environment)
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(config.run_dir / "torch_extensions"))
+        self.rank = int(environment["RANK"])
+        world_size = int(environment["WORLD_SIZE"])
+        if self.rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+
+        data = prepare_data(config)
+        plan = make_plan(
+            n_train_rows=len(data.train_y),
+            batch_size=config.batch_size,
+            world_size=world_size,
+            seed=config.seed,
+            epochs=config.epochs,
+            max_steps=config.max_steps,
+        )
+        log.info(
+            "data: %d training rows, %d holdout rows, %d features from %d partitions; plan: %d steps (%d per "
+            "epoch, %d rows per step)",
+            len(data.train_y),
+            len(data.holdout_y),
+            len(data.feature_columns),
+            len(data.rows_per_partition),
+            plan.total_steps,
+            plan.steps_per_epoch,
+            plan.rows_per_step,
+        )
+        previous = read_progress(config.run_dir / PROGRESS_FILE) if self.rank == 0 else None
+        restarts = restart_count(os.environ, None if previous is None else previous.get("restarts"))
+        self.reporter = ProgressReporter(
+            config.run_dir / PROGRESS_FILE,
+            every_s=config.progress_every_s,
+            rows_per_step=plan.rows_per_step,
+            static={
+                "run_id": config.run_id,
+                "total_steps": plan.total_steps,
+                "epochs_total": -(-plan.total_steps // plan.steps_per_epoch),
+                "restarts": restarts,
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            },
+        )
+        if self.rank == 0:
+            self.reporter.update(state="starting", step=0, force=True, last_checkpoint_step=None)
+
+        ds_config, notes = deepspeed_settings_for_run(
+            config.deepspeed_settings,
+            batch_size=config.batch_size,
+            world_size=world_size,
+            learning_rate=config.learning_rate,
+            zero_stage=config.zero_stage,
+        )
+        for note in notes:
+            log.info("DeepSpeed config: %s", note)
+        return _Trainer(self, data, plan, ds_config, restarts).train()
+
+    def report_failure(self, error: BaseException) -> None:
+        """Leave the failure in progress.json for the orchestrator (rank 0, once the run dir exists)."""
+        if self.rank != 0 or not self.config.run_dir.is_dir():
+            return
+        path = self.config.run_dir / PROGRESS_FILE
+        payload = {
+            **(read_progress(path) or {}),
+            "state": "failed",
+            "error": f"{type(error).__name__}: {error}",
+        }
+        payload["updated_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+        write_json_atomic(path, payload)
+
+
+class _Trainer:
+    """The part of an attempt that needs torch and DeepSpeed (imported here, after the config is valid)."""
+
+    def __init__(
+        self,
+        job: TrainingJob,
+        data: PreparedData,
+        plan: TrainingPlan,
+        ds_config: dict[str, Any],
+        restarts: int,
+    ) -> None:
+        import deepspeed
+        import torch
+        from hybridtrain import engine as ds_engine
+        from hybridtrain.export import SMOKE_ROWS, export_model
+        from hybridtrain.model import build_network, count_parameters
+
+        self.torch = torch
+        self.deepspeed = deepspeed
+        self.ds = ds_engine
+        self.export_model = export_model
+        # The serving smoke set: the first holdout rows (repeated when the holdout is smaller).
+        self.smoke_inputs = np.resize(data.holdout_raw[:SMOKE_ROWS], (SMOKE_ROWS, len(data.feature_columns)))
+        self.job = job
+        self.config = job.config
+        self.data = data
+        self.plan = plan
+        self.ds_config = ds_config
+        self.restarts = restarts
+        self.rank = job.rank
+        self.reporter = job.reporter
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+        threads = self.config.torch_threads or _slurm_cpus(os.environ)
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(self.config.seed)
+        network = build_network(len(data.feature_columns), self.config.model)
+        self.n_parameters = count_parameters(network)
+        self.engine, self.device = ds_engine.init_engine(network, ds_config, int(os.environ["LOCAL_RANK"]))
+        self.dtype = ds_engine.input_dtype(ds_config)
+        # The whole training split lives on the device (tabular rows are small next to GPU memory), so a step
+        # gathers its batch there instead of copying it from the host.
+        self.train_x = torch.from_numpy(data.train_x).to(self.device, dtype=self.dtype)
+        self.train_y = torch.from_numpy(data.train_y).to(self.device)
+        self.resume_key = {
+            "plan": {k: v for k, v in plan.as_dict().items() if k != "total_steps"},
+            "data_sha256": data.fingerprint,
+            "hidden_sizes": list(self.config.model.hidden_sizes),
+            "dropout": self.config.model.dropout,
+            "zero_stage": self.config.zero_stage,
+        }
+        self.step = 0
+        self.resumed_from: int | None = None
+        self.last_checkpoint: int | None = None
+        self.loss_curve: list[list[float]] = []
+        self.train_wall_prior_s = 0.0
+        self.loop_started = time.monotonic()
+        self.last_loss: float | None = None
+        self.evaluation: dict[str, Any] | None = None
+
+    # --- main loop ------------------------------------------------------------------------------------------
+
+    def train(self) -> ExitCode:
+        torch = self.torch
+        self._resume()
+        sampler = None
+        if int(os.environ["LOCAL_RANK"]) == 0:
+            sampler = GpuSampler(self.config.run_dir / GPU_METRICS_FILE, self.config.gpu_sample_every_s)
+            sampler.start()
+        try:
+            self.loop_started = time.monotonic()
+            self.reporter.restart_rate(self.step)
+            self._report("training", force=True)
+            loss_sum = torch.zeros((), device=self.device)
+            losses = 0
+            self.engine.train()
+            while self.step < self.plan.total_steps:
+                stop_code = self.ds.max_across_ranks(self.job.stop.code, self.device)
+                if stop_code:
+                    return self._stop(stop_code)
+                rows = torch.from_numpy(self.plan.batch_rows(self.step, self.rank).copy()).to(self.device)
+                inputs = self.train_x.index_select(0, rows)
+                labels = self.train_y.index_select(0, rows)
+                torch.manual_seed(_step_seed(self.config.seed, self.step))
+                logits = self.engine(inputs).squeeze(1).float()
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+                self.engine.backward(loss)
+                self.engine.step()
+                self.step += 1
+                loss_sum += loss.detach()
+                losses += 1
+                if self.step % self.config.log_every_steps == 0 or self.step == self.plan.total_steps:
+                    self._record_loss(self.ds.mean_across_ranks(loss_sum / losses))
+                    loss_sum.zero_()
+                    losses = 0
+                if self.step % self.config.checkpoint_every_steps == 0 or self.step == self.plan.total_steps:
+                    self._checkpoint(evaluate=True)
+                elif self._report("training"):
+                    self._log_progress()
+            return self._finish()
+        finally:
+            if sampler is not None:
+                sampler.stop()
+
+    # --- resume ---------------------------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        checkpoints_dir = self.config.checkpoints_dir
+        choice: tuple[int | None, str | None] = (None, None)
+        if self.rank == 0:
+            selected, skipped = select_resume_checkpoint(checkpoints_dir)
+            for check in skipped:
+                log.warning("skipping checkpoint %s: %s", check.path, check.reason)
+            if selected is not None:
+                stored = selected.manifest.get("resume_key")
+                if stored != self.resume_key:
+                    choice = (None, self._mismatch(selected.path, stored))
+                else:
+                    choice = (selected.step, None)
+        step, problem = self.ds.broadcast_from_rank0(choice)
+        if problem:
+            raise ResumeError(problem)
+        if step is None:
+            log.info("no complete checkpoint in %s: starting at step 0", checkpoints_dir)
+            return
+        path, client_state = self.engine.load_checkpoint(
+            str(checkpoints_dir),
+            tag=step_dir_name(step),
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        if path is None:
+            raise TrainingJobError(
+                f"DeepSpeed could not load the verified checkpoint {checkpoints_dir}/step_{step}"
+            )
+        state = client_state["hybridtrain"]
+        self.step = self.resumed_from = self.last_checkpoint = step
+        self.loss_curve = state["loss_curve"]
+        self.train_wall_prior_s = state["train_wall_s"]
+        self.last_loss = self.loss_curve[-1][1] if self.loss_curve else None
+        epoch, batch = divmod(step, self.plan.steps_per_epoch)
+        log.info(
+            "resumed from %s at step %d (epoch %d, skipping %d seen batches)",
+            checkpoints_dir / step_dir_name(step),
+            step,
+            epoch,
+            batch,
+        )
+
+    def _mismatch(self, path: Path, stored: Any) -> str:
+        differing = sorted(
+            key
+            for key in self.resume_key
+            if not isinstance(stored, dict) or stored.get(key) != self.resume_key[key]
+        )
+        return (
+            f"checkpoint {path} belongs to a different run (differs in {', '.join(differing)}): resuming it "
+            f"would not reproduce an uninterrupted run. Use a new run_dir, or delete "
+            f"{self.config.checkpoints_dir} to start this run over"
+        )
+
+    # --- checkpoints, evaluation, progress ------------------------------------------------------------------
+
+    def _checkpoint(self, *, evaluate: bool) -> None:
+        dist = self.torch.distributed
+        step_dir = self.config.checkpoints_dir / step_dir_name(self.step)
+        self._report("checkpointing", force=True)
+        if evaluate:
+            self.evaluation = self._evaluate()
+        if self.rank == 0 and step_dir.exists():
+            log.warning("replacing %s, left by an earlier attempt", step_dir)
+            remove_checkpoint(step_dir)
+        dist.barrier()
+        client_state = {
+            "hybridtrain": {
+                "step": self.step,
+                "loss_curve": self.loss_curve,
+                "train_wall_s": self._train_wall_s(),
+            }
+        }
+        started = time.monotonic()
+        self.engine.save_checkpoint(
+            str(self.config.checkpoints_dir),
+            tag=step_dir_name(self.step),
+            client_state=client_state,
+            save_latest=False,
+        )
+        if self.rank == 0:
+            metrics = {"train_loss": self.last_loss}
+            if evaluate and self.evaluation is not None:
+                metrics |= {
+                    "holdout_auc": self.evaluation["auc"],
+                    "holdout_log_loss": self.evaluation["log_loss"],
+                }
+            manifest = build_manifest(
+                step_dir,
+                step=self.step,
+                epoch=self.plan.epochs_completed(self.step),
+                metrics=metrics,
+                extra={
+                    "run_id": self.config.run_id,
+                    "total_steps": self.plan.total_steps,
+                    "resume_key": self.resume_key,
+                    "world_size": self.plan.world_size,
+                    "deepspeed_version": self.deepspeed.__version__,
+                },
+            )
+            write_manifest(step_dir, manifest)
+            size = sum(entry["size"] for entry in manifest["files"])
+            log.info(
+                "checkpoint %s: %d files, %.1f MB, %.2f s",
+                step_dir,
+                len(manifest["files"]),
+                size / 1e6,
+                time.monotonic() - started,
+            )
+            if self.config.keep_last_checkpoints:
+                for old in checkpoints_to_prune(
+                    self.config.checkpoints_dir, self.config.keep_last_checkpoints
+                ):
+                    log.info("pruning %s (keep_last_checkpoints=%d)", old, self.config.keep_last_checkpoints)
+                    remove_checkpoint(old)
+        self.last_checkpoint = self.step
+        self._report("training", force=True)
+
+    def _evaluate(self) -> dict[str, Any]:
+        """Holdout AUC and log loss of the current weights, on every rank (a ZeRO-3 forward is collective)."""
+        torch = self.torch
+        self.engine.eval()
+        logits = []
+        with torch.no_grad():
+            for start in range(0, len(self.data.holdout_y), _EVAL_CHUNK_ROWS):
+                chunk = torch.from_numpy(self.data.holdout_x[start : start + _EVAL_CHUNK_ROWS])
+                output = self.engine(chunk.to(self.device, dtype=self.dtype)).float().squeeze(1)
+                logits.append(output.cpu().numpy())
+        self.engine.train()
+        scores = np.concatenate(logits).astype(np.float64)
+        probabilities = 1.0 / (1.0 + np.exp(-scores))
+        labels = self.data.holdout_y
+        return {
+            "step": self.step,
+            "auc": roc_auc(labels, scores),
+            "log_loss": log_loss(labels, probabilities),
+            "rows": len(labels),
+            "positives": int(labels.sum()),
+        }
+
+    def _record_loss(self, loss: float) -> None:
+        if not np.isfinite(loss):
+            raise TrainingJobError(
+                f"training loss is {loss} at step {self.step}: the run diverged (lower learning_rate); the "
+                f"last complete checkpoint is step {self.last_checkpoint}"
+            )
+        self.last_loss = loss
+        self.loss_curve.append([self.step, round(loss, 6)])
+        self.reporter.add_loss(loss)
+
+    def _report(self, state: str, force: bool = False) -> bool:
+        if self.rank != 0:
+            return False
+        return self.reporter.update(
+            state=state,
+            step=self.step,
+            force=force,
+            epoch=self.plan.epochs_completed(self.step),
+            last_checkpoint_step=self.last_checkpoint,
+            resumed_from_step=self.resumed_from,
+        )
+
+    def _log_progress(self) -> None:
+        fields = self.reporter.written
+        log.info(
+            "step %d/%d loss %s %s samples/s eta %s s",
+            self.step,
+            self.plan.total_steps,
+            "-" if self.last_loss is None else f"{self.last_loss:.4f}",
+            fields.get("samples_per_s", "-"),
+            fields.get("eta_s", "-"),
+        )
+
+    def _train_wall_s(self) -> float:
+        return round(self.train_wall_prior_s + time.monotonic() - self.loop_started, 3)
+
+    # --- endings --------------------------------------------------------------------------------------------
+
+    def _stop(self, stop_code: int) -> ExitCode:
+        """Checkpoint (when this attempt made progress) and stop; requeue on SIGUSR2 under Slurm.
+
+        :param stop_code: the highest :attr:`StopRequest.code` over all ranks.
+        """
+        signal_name = StopRequest.signal_for(stop_code).name
+        log.warning("%s received: stopping at step %d", signal_name, self.step)
+        if self.step > 0 and self.step != self.last_checkpoint:
+            self._checkpoint(evaluate=False)
+        self._report("stopped", force=True)
+        if signal_name != "SIGUSR2":
+            return ExitCode.TERMINATED
+        job_id = os.environ.get("SLURM_JOB_ID")
+        if not job_id:
+            log.warning(
+                "SLURM_JOB_ID is not set: not requeueing; run the same command again to resume from step %s",
+                self.last_checkpoint,
+            )
+            return ExitCode.STOPPED
+        if self.rank == 0:
+            log.info("requeueing Slurm job %s", job_id)
+            requeue_job(job_id)
+        return ExitCode.OK
+
+    def _finish(self) -> ExitCode:
+        if self.evaluation is None or self.evaluation["step"] != self.step:
+            self.evaluation = self._evaluate()
+        state_dict = self.ds.full_state_dict(self.engine)
+        engine_outputs = self._probabilities((self.smoke_inputs - self.data.mean) / self.data.std)
+        if self.rank == 0:
+            with self.ds.torch_linear():
+                exported = self.export_model(
+                    state_dict,
+                    spec=self.config.model,
+                    mean=self.data.mean,
+                    std=self.data.std,
+                    feature_columns=self.data.feature_columns,
+                    smoke_inputs=self.smoke_inputs,
+                    export_dir=self.config.export_dir,
+                    details={"run_id": self.config.run_id, "step": self.step, "model": self._model_details()},
+                )
+            exported["max_abs_diff_vs_engine"] = self._check_export(engine_outputs)
+            write_json_atomic(self.config.run_dir / METRICS_FILE, self._metrics(exported))
+            log.info(
+                "finished at step %d: holdout AUC %s, log loss %.4f; metrics in %s",
+                self.step,
+                self.evaluation["auc"],
+                self.evaluation["log_loss"],
+                self.config.run_dir / METRICS_FILE,
+            )
+        self._report("completed", force=True)
+        return ExitCode.OK
+
+    def _probabilities(self, standardized: np.ndarray) -> np.ndarray:
+        """The engine's probabilities for standardised rows (every rank: ZeRO-3 forward is collective)."""
+        torch = self.torch
+        self.engine.eval()
+        with torch.no_grad():
+            inputs = torch.from_numpy(np.ascontiguousarray(standardized, dtype=np.float32))
+            logits = self.engine(inputs.to(self.device, dtype=self.dtype)).float()
+        self.engine.train()
+        return torch.sigmoid(logits).cpu().numpy()
+
+    def _check_export(self, engine_outputs: np.ndarray) -> float:
+        """How far the export's smoke outputs are from the engine's; a real difference fails the run."""
+        smoke = json.loads((self.config.export_dir / "smoke.json").read_text())
+        difference = float(np.max(np.abs(np.array(smoke["outputs"]) - engine_outputs)))
+        tolerance = _EXPORT_TOLERANCE[self.dtype == self.torch.float32]
+        if not difference <= tolerance:
+            raise TrainingJobError(
+                f"the exported model differs from the trained engine by {difference:.2e} (> {tolerance}) on "
+                f"the smoke rows: {self.config.export_dir} is not trustworthy"
+            )
+        return difference
+
+    def _model_details(self) -> dict[str, Any]:
+        return {
+            "preset": self.config.model.preset,
+            "hidden_sizes": list(self.config.model.hidden_sizes),
+            "dropout": self.config.model.dropout,
+            "n_parameters": self.n_parameters,
+        }
+
+    def _metrics(self, exported: dict[str, Any]) -> dict[str, Any]:
+        config, plan, evaluation = self.config, self.plan, self.evaluation
+        rows_processed = self.step * plan.rows_per_step
+        train_wall_s = self._train_wall_s()
+        gpu = summarise_gpu_metrics(read_gpu_metrics(config.run_dir / GPU_METRICS_FILE))
+        return {
+            "status": "completed",
+            "run_id": config.run_id,
+            "labels": config.labels,
+            "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "step": self.step,
+            "total_steps": plan.total_steps,
+            "steps_per_epoch": plan.steps_per_epoch,
+            "epochs_completed": plan.epochs_completed(self.step),
+            "restarts": self.restarts,
+            "resumed_from_step": self.resumed_from,
+            "holdout": {
+                "auc": evaluation["auc"],
+                "log_loss": evaluation["log_loss"],
+                "rows": evaluation["rows"],
+                "positives": evaluation["positives"],
+                "fraction": config.holdout_fraction,
+                "rule": HOLDOUT_RULE,
+            },
+            "train": {
+                "rows": len(self.data.train_y),
+                "positives": int(self.data.train_y.sum()),
+                "final_loss": self.last_loss,
+            },
+            "loss_curve": [{"step": step, "loss": loss} for step, loss in self.loss_curve],
+            "train_rows_processed": rows_processed,
+            "train_tokens_processed": rows_processed,
+            "token_definition": _TOKEN_DEFINITION,
+            "train_wall_time_s": train_wall_s,
+            "wall_time_s": round(time.monotonic() - self.job.started, 3),
+            "samples_per_s": round(rows_processed / train_wall_s, 2) if train_wall_s > 0 else None,
+            "gpu": gpu,
+            "mean_gpu_utilization_pct": gpu["mean_utilization_pct"],
+            "model": self._model_details(),
+            "deepspeed": {
+                "version": self.deepspeed.__version__,
+                "zero_stage": config.zero_stage,
+                "world_size": plan.world_size,
+                "config": str(config.deepspeed_config),
+                "device": self.device.type,
+                "dtype": str(self.dtype).removeprefix("torch."),
+            },
+            "torch_version": self.torch.__version__,
+            "python_version": platform.python_version(),
+            "hyperparameters": {
+                "batch_size": config.batch_size,
+                "learning_rate": config.learning_rate,
+                "epochs": config.epochs,
+                "max_steps": config.max_steps,
+                "seed": config.seed,
+            },
+            "data": {
+                "features_root": config.features_root,
+                "ds": list(config.ds),
+                "rows_per_partition": self.data.rows_per_partition,
+                "feature_columns": list(self.data.feature_columns),
+                "sha256": self.data.fingerprint,
+            },
+            "checkpoint": {
+                "step": self.last_checkpoint,
+                "path": str(config.checkpoints_dir / step_dir_name(self.last_checkpoint)),
+                "manifest": MANIFEST_NAME,
+            },
+            "export": exported,
+        }
+
+
+def _slurm_cpus(environ: Mapping[str, str]) -> int | None:
+    value = environ.get("SLURM_CPUS_PER_TASK", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """The torch seed of one step (dropout), so a resumed step draws what the uninterrupted one would."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
+def main(
+    argv: list[str] | None = None, *, started: float | None = None, stop: StopRequest | None = None
+) -> int:
+    """``python jobs/train.py --config <run config JSON>``; returns an :class:`ExitCode`.
+
+    :param started: ``time.monotonic()`` when the process started, for ``wall_time_s``; default now.
+    :param stop: the signal handlers, when installed already; default installs them now.
+    """
+    started = time.monotonic() if started is None else started
+    if stop is None:
+        stop = StopRequest()
+        stop.install()
+    parser = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the run config JSON the operator wrote")
+    args = parser.parse_args(argv)
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    try:
+        config = load_run_config(args.config)
+    except TrainingJobError as error:
+        log.error("%s", error)
+        return error.exit_code
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    job = TrainingJob(config, stop, started)
+    try:
+        return job.run()
+    except TrainingJobError as error:
+        log.error("%s", error)
+        job.report_failure(error)
+        return error.exit_code
+    except Exception as error:
+        log.exception("training failed")
+        job.report_failure(error)
+        return ExitCode.FAILED

@@ -1,0 +1,62 @@
+"""DeepSpeed training of the customer propensity model on one run's feature partitions.
+
+Usage: python jobs/train.py --config <run config JSON>
+
+Runs on the Slurm GPU partition (NCCL) or on CPU (gloo, one process) with only torch, deepspeed, pyarrow and
+numpy; it never imports Airflow. A run config, as the operator writes it (relative paths are read from the
+config file's directory; keys starting with "_" are comments)::
+
+    {
+      "run_id": "nightly_training__2026-01-02",         optional, echoed into every output
+      "labels": {"dag_id": "nightly_training"},         optional free-form metadata, echoed into metrics.json
+      "features_root": "/var/lib/hybridflow/storage/features",    local path or s3://bucket/prefix
+      "ds": ["2026-01-01", "2026-01-02"],               or "ds_range": {"start": "...", "end": "..."}
+      "run_dir": "/var/lib/hybridflow/storage/runs/nightly_training__2026-01-02",
+      "model": {"preset": "small"},                     or {"hidden_sizes": [64, 32], "dropout": 0.1}
+      "model_presets_path": "...",                      optional; default include/config/model_presets.json
+      "epochs": 3,                                      and/or "max_steps": 500 (whichever ends first)
+      "batch_size": 256,                                rows per process per step
+      "learning_rate": 0.001,
+      "checkpoint_every_steps": 100,
+      "keep_last_checkpoints": 3,                       optional; default keeps every checkpoint
+      "seed": 42,
+      "zero_stage": 1,                                  0-3; replaces the DeepSpeed config's stage
+      "deepspeed_config": "/opt/hybridflow/include/deepspeed/zero1.json",
+      "holdout_fraction": 0.2,                          optional
+      "log_every_steps": 10,                            optional: loss curve resolution
+      "progress_every_s": 5,                            optional: progress.json at most this often
+      "gpu_sample_every_s": 5,                          optional: nvidia-smi sampling period
+      "torch_threads": 4                                optional; default SLURM_CPUS_PER_TASK, else torch's
+    }
+
+Outputs under run_dir: progress.json, checkpoints/step_<n>/ (each with MANIFEST.json, written last),
+metrics.json, gpu_metrics.jsonl and export/ (model.pt, signature.json, smoke.json).
+
+Signals: SIGUSR2 finishes the step, checkpoints, and requeues the Slurm job (``scontrol requeue
+$SLURM_JOB_ID``); SIGTERM finishes the step, checkpoints and stops. A restart resumes from the newest complete
+checkpoint and ends at the same step as an uninterrupted run.
+
+Exit codes (hybridtrain.errors.ExitCode): 0 finished, or requeued itself after SIGUSR2; 1 unexpected error;
+2 invalid run config, DeepSpeed config, presets or feature data (retrying does not help); 75 stopped by
+SIGUSR2 without SLURM_JOB_ID (checkpoint saved; run again to resume); 76 checkpoint saved but ``scontrol
+requeue`` failed; 143 stopped by SIGTERM (checkpoint saved).
+
+Environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT when a launcher sets them, else derived
+from SLURM_* inside an srun step, else one process on 127.0.0.1 with a free port. TORCH_EXTENSIONS_DIR
+defaults to run_dir/torch_extensions. HYBRIDTRAIN_ENABLE_SHM_COMM=1 lets DeepSpeed JIT-build its CPU
+shared-memory all-reduce (needs g++ and ninja).
+"""
+
+import sys
+import time
+
+from hybridtrain.preemption import StopRequest
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    # Before torch's imports (seconds): a SIGUSR2 or SIGTERM that early would otherwise kill the process.
+    stop = StopRequest()
+    stop.install()
+    from hybridtrain.runner import main
+
+    sys.exit(main(started=started, stop=stop))

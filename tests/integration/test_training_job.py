@@ -1,0 +1,465 @@
+"""jobs/train.py end to end: real DeepSpeed (one process, gloo on CPU), the tiny preset, synthetic partitions.
+
+Each test starts the job as the Slurm batch script does (``python jobs/train.py --config ...``) and reads what
+it leaves in its run directory. Partitions are written here in the features job's contract, with a planted
+signal so the holdout AUC is clearly above 0.5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "jobs" / "train.py"
+sys.path.insert(0, str(REPO / "jobs"))
+
+from hybridtrain.checkpoints import MANIFEST_NAME, checkpoint_steps, verify_checkpoint  # noqa: E402
+from hybridtrain.launch import free_port  # noqa: E402
+
+FEATURES = ["spend_30d", "visits_7d", "basket_mean", "discount_share", "support_calls", "tenure_days"]
+DAYS = ("2026-01-01", "2026-01-02")
+CUSTOMERS = 1500
+BATCH = 32
+EPOCHS = 4
+CHECKPOINT_EVERY = 25
+RUN_TIMEOUT_S = 120
+
+
+def write_features(root: Path, ds: str, day: int) -> None:
+    """One partition as the Spark features job publishes it: Parquet parts, _MANIFEST.json, then _SUCCESS."""
+    rng = np.random.default_rng(day)
+    x = rng.normal(size=(CUSTOMERS, 5))
+    logit = 1.6 * x[:, 0] - 1.2 * x[:, 1] + 0.9 * x[:, 2] * x[:, 3] - 0.4
+    labels = (rng.random(CUSTOMERS) < 1 / (1 + np.exp(-logit))).astype(np.int32)
+    table = pa.table(
+        {"customer_id": [f"cust-{i:06d}" for i in range(CUSTOMERS)], "label": labels}
+        | {name: (x[:, i] * 10 + 50).astype(np.float32) for i, name in enumerate(FEATURES[:5])}
+        | {"tenure_days": rng.integers(0, 3650, CUSTOMERS)}
+    )
+    directory = root / f"ds={ds}"
+    directory.mkdir(parents=True)
+    half = CUSTOMERS // 2
+    pq.write_table(table.slice(half), directory / "part-00000-x.snappy.parquet")
+    pq.write_table(table.slice(0, half), directory / "part-00001-x.snappy.parquet")
+    (directory / "_MANIFEST.json").write_text(json.dumps({"feature_columns": FEATURES, "ds": ds}))
+    (directory / "_SUCCESS").write_text("")
+
+
+@pytest.fixture(scope="module")
+def features_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("features")
+    for day, ds in enumerate(DAYS):
+        write_features(root, ds, day)
+    return root
+
+
+def write_run_config(directory: Path, features_root: Path, **changes: object) -> Path:
+    config = {
+        "run_id": f"test_{directory.name}",
+        "features_root": str(features_root),
+        "ds_range": {"start": DAYS[0], "end": DAYS[-1]},
+        "run_dir": str(directory / "run"),
+        "model": {"preset": "tiny"},
+        "epochs": EPOCHS,
+        "batch_size": BATCH,
+        "learning_rate": 0.02,
+        "checkpoint_every_steps": CHECKPOINT_EVERY,
+        "seed": 11,
+        "zero_stage": 1,
+        "deepspeed_config": str(REPO / "include" / "deepspeed" / "zero1.json"),
+        "log_every_steps": 5,
+        "progress_every_s": 0.2,
+        "torch_threads": 1,
+    } | changes
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "run.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def job_environment(**extra: str) -> dict[str, str]:
+    """The caller's environment without launcher or Slurm variables, plus ``extra``."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCH_EXTENSIONS_DIR")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in launcher}
+    return env | {"PYTHONUNBUFFERED": "1"} | extra
+
+
+class Job:
+    """One ``python jobs/train.py`` process with its output in ``<config dir>/<name>.log``."""
+
+    def __init__(self, config: Path, name: str = "job", launcher: tuple[str, ...] = (), **env: str) -> None:
+        self.config = config
+        self.run_dir = Path(json.loads(config.read_text())["run_dir"])
+        self.log_path = config.parent / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [*(launcher or (sys.executable,)), str(TRAIN), "--config", str(config)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=job_environment(**env),
+            cwd=config.parent,
+        )
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def wait(self, timeout_s: float = RUN_TIMEOUT_S) -> int:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            pytest.fail(f"training did not end within {timeout_s} s:\n{self.output[-4000:]}")
+        finally:
+            self._log.close()
+
+    def progress(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "progress.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def wait_for_progress(self, predicate, what: str, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            progress = self.progress()
+            if progress and predicate(progress):
+                return progress
+            if self.process.poll() is not None:
+                pytest.fail(
+                    f"training exited ({self.process.returncode}) before {what}:\n{self.output[-4000:]}"
+                )
+            time.sleep(0.02)
+        self.process.kill()
+        pytest.fail(f"no {what} within {timeout_s} s; progress {self.progress()}:\n{self.output[-4000:]}")
+
+
+def run_to_end(config: Path, name: str = "job", **env: str) -> Job:
+    job = Job(config, name, **env)
+    code = job.wait()
+    assert code == 0, f"exit {code}:\n{job.output[-4000:]}"
+    return job
+
+
+def metrics_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def baseline(features_root, tmp_path_factory) -> Job:
+    """An uninterrupted run; the interrupted ones must end where it ended, with the same results."""
+    return run_to_end(write_run_config(tmp_path_factory.mktemp("baseline"), features_root))
+
+
+def test_training_job_writes_metrics_checkpoints_progress_and_export(baseline):
+    run_dir = baseline.run_dir
+    metrics = metrics_of(run_dir)
+    total = metrics["total_steps"]
+    assert metrics["status"] == "completed"
+    assert metrics["step"] == total == EPOCHS * metrics["steps_per_epoch"]
+    assert metrics["steps_per_epoch"] == metrics["train"]["rows"] // BATCH
+    assert metrics["train"]["rows"] + metrics["holdout"]["rows"] == len(DAYS) * CUSTOMERS
+    assert metrics["holdout"]["auc"] > 0.75, metrics["holdout"]
+    assert metrics["holdout"]["log_loss"] < 0.6, metrics["holdout"]
+    curve = metrics["loss_curve"]
+    assert [point["step"] for point in curve] == list(range(5, total + 1, 5))
+    assert curve[-1]["loss"] < curve[0]["loss"]
+    assert metrics["train_rows_processed"] == metrics["train_tokens_processed"] == total * BATCH
+    assert metrics["wall_time_s"] >= metrics["train_wall_time_s"] > 0
+    assert (metrics["restarts"], metrics["resumed_from_step"]) == (0, None)
+    assert metrics["model"]["preset"] == "tiny" and metrics["model"]["n_parameters"] > 0
+    assert metrics["deepspeed"] | {"config": None} == {
+        "version": metrics["deepspeed"]["version"],
+        "zero_stage": 1,
+        "world_size": 1,
+        "config": None,
+        "device": "cpu",
+        "dtype": "float32",
+    }
+    assert metrics["data"]["feature_columns"] == FEATURES
+    assert metrics["data"]["rows_per_partition"] == dict.fromkeys(DAYS, CUSTOMERS)
+
+    steps = [step for step, _ in checkpoint_steps(run_dir / "checkpoints")]
+    assert steps == sorted({*range(CHECKPOINT_EVERY, total + 1, CHECKPOINT_EVERY), total}, reverse=True)
+    final = verify_checkpoint(run_dir / "checkpoints" / f"step_{total}")
+    assert final.ok, final.reason
+    assert final.manifest["epoch"] == EPOCHS
+    assert final.manifest["metrics"]["holdout_auc"] == metrics["holdout"]["auc"]
+    assert {entry["path"] for entry in final.manifest["files"]} >= {"mp_rank_00_model_states.pt"}
+    assert metrics["checkpoint"]["step"] == total
+
+    progress = baseline.progress()
+    assert progress | {"updated_at": None, "loss": None, "samples_per_s": None} == {
+        "state": "completed",
+        "step": total,
+        "total_steps": total,
+        "epoch": EPOCHS,
+        "epochs_total": EPOCHS,
+        "restarts": 0,
+        "resumed_from_step": None,
+        "last_checkpoint_step": total,
+        "slurm_job_id": None,
+        "run_id": metrics["run_id"],
+        "eta_s": 0.0,
+        "updated_at": None,
+        "loss": None,
+        "samples_per_s": None,
+    }
+    assert progress["samples_per_s"] > 0 and progress["loss"] > 0
+
+
+def test_training_job_reports_absent_gpus_without_inventing_numbers(baseline):
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi")
+    records = [json.loads(line) for line in (baseline.run_dir / "gpu_metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 1
+    assert records[0]["gpu_available"] is False and records[0]["reason"] == "nvidia-smi not found"
+    metrics = metrics_of(baseline.run_dir)
+    assert metrics["mean_gpu_utilization_pct"] is None
+    assert metrics["gpu"]["gpu_available"] is False and metrics["gpu"]["samples"] == 0
+
+
+def test_training_job_export_serves_the_documented_signature(baseline):
+    import torch
+
+    export = baseline.run_dir / "export"
+    signature = json.loads((export / "signature.json").read_text())
+    assert signature["feature_columns"] == FEATURES and signature["n_features"] == len(FEATURES)
+    assert signature["inputs"][0]["name"] == "INPUT__0" and signature["outputs"][0]["name"] == "OUTPUT__0"
+    smoke = json.loads((export / "smoke.json").read_text())
+    assert len(smoke["inputs"]) == 16
+    model = torch.jit.load(str(export / "model.pt"))
+    outputs = model(torch.tensor(smoke["inputs"], dtype=torch.float32))
+    assert outputs.dtype == torch.float32 and tuple(outputs.shape) == (16, 1)
+    np.testing.assert_allclose(outputs.detach().numpy(), np.array(smoke["outputs"]), atol=smoke["atol"])
+    assert metrics_of(baseline.run_dir)["export"]["max_abs_diff_vs_engine"] < 1e-5
+    assert not (baseline.run_dir / "torch_extensions").exists(), "no DeepSpeed op was JIT-built"
+
+
+def test_training_job_resumes_after_sigkill_and_ends_like_an_uninterrupted_run(
+    baseline, features_root, tmp_path
+):
+    config = write_run_config(tmp_path, features_root)
+    first = Job(config, "first")
+    killed_at = first.wait_for_progress(
+        lambda p: (p.get("last_checkpoint_step") or 0) >= CHECKPOINT_EVERY, "a first complete checkpoint"
+    )
+    first.process.send_signal(signal.SIGKILL)
+    first.wait()
+    checkpoint = killed_at["last_checkpoint_step"]
+    assert verify_checkpoint(first.run_dir / "checkpoints" / f"step_{checkpoint}").ok
+    assert not (first.run_dir / "metrics.json").exists()
+
+    second = run_to_end(config, "second")
+    metrics, expected = metrics_of(second.run_dir), metrics_of(baseline.run_dir)
+    resumed_from = metrics["resumed_from_step"]
+    assert resumed_from >= checkpoint and resumed_from % CHECKPOINT_EVERY == 0
+    assert (
+        f"resumed from {second.run_dir / 'checkpoints'}/step_{resumed_from} at step {resumed_from}"
+        in second.output
+    )
+    assert metrics["step"] == metrics["total_steps"] == expected["step"]
+    assert metrics["restarts"] == 1
+    assert [point["step"] for point in metrics["loss_curve"]] == [
+        point["step"] for point in expected["loss_curve"]
+    ]
+    losses = [point["loss"] for point in metrics["loss_curve"]]
+    assert losses == pytest.approx([point["loss"] for point in expected["loss_curve"]], abs=1e-5)
+    assert metrics["holdout"]["auc"] == pytest.approx(expected["holdout"]["auc"], abs=1e-6)
+    assert metrics["holdout"]["log_loss"] == pytest.approx(expected["holdout"]["log_loss"], abs=1e-6)
+
+
+def test_training_job_skips_a_corrupt_newest_checkpoint(baseline, features_root, tmp_path):
+    config = write_run_config(tmp_path, features_root)
+    run_dir = tmp_path / "run"
+    shutil.copytree(baseline.run_dir / "checkpoints", run_dir / "checkpoints")
+    (newest, newest_dir), (second, second_dir), (third, _) = checkpoint_steps(run_dir / "checkpoints")[:3]
+    optim = next(newest_dir.glob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:-10])
+    (second_dir / MANIFEST_NAME).unlink()
+    (run_dir / "checkpoints" / f"step_{newest + 5}.tmp").mkdir()
+
+    job = run_to_end(config)
+    assert f"skipping checkpoint {newest_dir}: {optim.name} has" in job.output
+    assert f"skipping checkpoint {second_dir}: no MANIFEST.json" in job.output
+    metrics = metrics_of(run_dir)
+    assert metrics["resumed_from_step"] == third
+    assert metrics["step"] == newest == metrics_of(baseline.run_dir)["step"]
+    assert metrics["holdout"]["auc"] == pytest.approx(
+        metrics_of(baseline.run_dir)["holdout"]["auc"], abs=1e-6
+    )
+    assert verify_checkpoint(newest_dir).ok and verify_checkpoint(second_dir).ok, (
+        "rewritten by the resumed run"
+    )
+
+
+@pytest.mark.parametrize(
+    ("signum", "exit_code", "message"),
+    [
+        (signal.SIGUSR2, 75, "SLURM_JOB_ID is not set: not requeueing"),
+        (signal.SIGTERM, 143, "SIGTERM received: stopping at step"),
+    ],
+    ids=["sigusr2-without-slurm-exits-75", "sigterm-exits-143"],
+)
+def test_training_job_checkpoints_and_stops_on_signal(features_root, tmp_path, signum, exit_code, message):
+    # Under Slurm too, SIGTERM (scancel, time limit) must not requeue: the user or Slurm decided.
+    slurm = {"SLURM_JOB_ID": "4242"} if signum == signal.SIGTERM else {}
+    job = Job(write_run_config(tmp_path, features_root), **slurm)
+    job.wait_for_progress(lambda p: p.get("state") == "training" and p.get("step", 0) >= 3, "training steps")
+    job.process.send_signal(signum)
+    code = job.wait()
+    assert code == exit_code, f"exit {code}:\n{job.output[-4000:]}"
+    progress = job.progress()
+    assert progress["state"] == "stopped"
+    step = progress["step"]
+    assert progress["last_checkpoint_step"] == step > 0
+    check = verify_checkpoint(job.run_dir / "checkpoints" / f"step_{step}")
+    assert check.ok, check.reason
+    assert f"{signum.name} received: stopping at step {step}" in job.output
+    assert message in job.output
+    assert "requeueing Slurm job" not in job.output, "only SIGUSR2 under Slurm requeues"
+    assert not (job.run_dir / "metrics.json").exists()
+
+
+def fake_scontrol(directory: Path, exit_code: int) -> str:
+    """scontrol on PATH that records its arguments: requeueing for real is the Slurm operator's test."""
+    bin_dir = directory / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> "{directory}/scontrol.args"\nexit {exit_code}\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def test_training_job_requeues_itself_on_sigusr2_and_resumes_on_restart(baseline, features_root, tmp_path):
+    config = write_run_config(tmp_path, features_root)
+    path = fake_scontrol(tmp_path, 0)
+    job = Job(config, "first", PATH=path, SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="0")
+    job.wait_for_progress(lambda p: p.get("state") == "training" and p.get("step", 0) >= 3, "training steps")
+    job.process.send_signal(signal.SIGUSR2)
+    code = job.wait()
+    assert code == 0, f"exit {code}:\n{job.output[-4000:]}"
+    assert (tmp_path / "scontrol.args").read_text() == "requeue 4242\n"
+    stopped = job.progress()
+    assert (stopped["state"], stopped["slurm_job_id"]) == ("stopped", "4242")
+
+    restarted = run_to_end(config, "restart", PATH=path, SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="1")
+    metrics = metrics_of(restarted.run_dir)
+    assert (metrics["restarts"], metrics["resumed_from_step"]) == (1, stopped["last_checkpoint_step"])
+    assert metrics["step"] == metrics_of(baseline.run_dir)["step"]
+    assert metrics["holdout"]["auc"] == pytest.approx(
+        metrics_of(baseline.run_dir)["holdout"]["auc"], abs=1e-6
+    )
+    assert (tmp_path / "scontrol.args").read_text() == "requeue 4242\n", "no second requeue"
+
+
+def test_training_job_requeue_failure_exits_76_with_scontrol_message(features_root, tmp_path):
+    job = Job(write_run_config(tmp_path, features_root), PATH=fake_scontrol(tmp_path, 1), SLURM_JOB_ID="4242")
+    job.wait_for_progress(lambda p: p.get("state") == "training" and p.get("step", 0) >= 3, "training steps")
+    job.process.send_signal(signal.SIGUSR2)
+    assert job.wait() == 76
+    assert "`scontrol requeue 4242` exited 1" in job.output
+    progress = job.progress()
+    assert progress["state"] == "failed" and "scontrol requeue 4242" in progress["error"]
+    assert verify_checkpoint(job.run_dir / "checkpoints" / f"step_{progress['last_checkpoint_step']}").ok
+
+
+def test_training_job_zero_stage_3_checkpoints_resume_and_export(features_root, tmp_path):
+    zero3 = {"zero_stage": 3, "deepspeed_config": str(REPO / "include" / "deepspeed" / "zero3.json")}
+    first = run_to_end(write_run_config(tmp_path, features_root, epochs=None, max_steps=40, **zero3), "first")
+    assert metrics_of(first.run_dir)["step"] == 40
+    extended = run_to_end(
+        write_run_config(tmp_path, features_root, epochs=None, max_steps=60, **zero3), "second"
+    )
+    metrics = metrics_of(extended.run_dir)
+    assert (metrics["resumed_from_step"], metrics["step"], metrics["deepspeed"]["zero_stage"]) == (40, 60, 3)
+    assert metrics["holdout"]["auc"] > 0.6
+    assert verify_checkpoint(extended.run_dir / "checkpoints" / "step_60").ok
+    assert metrics["export"]["max_abs_diff_vs_engine"] < 1e-5, "the export gathered the partitioned weights"
+
+
+def test_training_job_bf16_engine_exports_float32(features_root, tmp_path):
+    bf16 = {"zero_stage": 2, "deepspeed_config": str(REPO / "include" / "deepspeed" / "zero2_bf16.json")}
+    job = run_to_end(write_run_config(tmp_path, features_root, epochs=None, max_steps=40, **bf16))
+    metrics = metrics_of(job.run_dir)
+    assert metrics["deepspeed"]["dtype"] == "bfloat16"
+    assert metrics["holdout"]["auc"] > 0.6
+    assert 0 <= metrics["export"]["max_abs_diff_vs_engine"] < 2e-2, "bf16 engine, float32 export"
+    signature = json.loads((job.run_dir / "export" / "signature.json").read_text())
+    assert signature["inputs"][0]["dtype"] == "float32"
+
+
+def test_training_job_two_processes_shard_zero2_and_stop_together(features_root, tmp_path):
+    """torchrun with two gloo processes: ZeRO-2 shards in the manifest, and a signal to rank 0 stops both."""
+    port = free_port()
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}")
+    zero2 = {"zero_stage": 2, "deepspeed_config": str(REPO / "include" / "deepspeed" / "zero2.json")}
+    job = Job(write_run_config(tmp_path, features_root, **zero2), launcher=torchrun)
+    job.wait_for_progress(lambda p: (p.get("last_checkpoint_step") or 0) >= CHECKPOINT_EVERY, "a checkpoint")
+    rank0 = _worker_with_rank(job.process.pid, "0")
+    os.kill(rank0, signal.SIGUSR2)
+    job.wait()
+    progress = job.progress()
+    assert progress["state"] == "stopped"
+    step = progress["step"]
+    assert f"rank0 WARNING hybridtrain: SIGUSR2 received: stopping at step {step}" in job.output
+    assert f"rank1 WARNING hybridtrain: SIGUSR2 received: stopping at step {step}" in job.output
+    check = verify_checkpoint(job.run_dir / "checkpoints" / f"step_{progress['last_checkpoint_step']}")
+    assert check.ok, check.reason
+    files = {entry["path"] for entry in check.manifest["files"]}
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files
+    assert check.manifest["world_size"] == 2
+    assert check.manifest["resume_key"]["plan"]["world_size"] == 2
+
+
+def _worker_with_rank(launcher_pid: int, rank: str) -> int:
+    """The pid of torchrun's worker process with RANK=``rank``."""
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"PPid:\t{launcher_pid}\n" not in status.read_text():
+                continue
+            environ = (status.parent / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(status.parent.name)
+    pytest.fail(f"no worker with RANK={rank} under pid {launcher_pid}")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"batch_size": 0, "zero_stage": 7}, "batch_size: must be an integer >= 1"),
+        ({"ds_range": {"start": "2025-12-31", "end": "2026-01-01"}}, "ds=2025-12-31 does not exist"),
+        ({"batch_size": 100_000}, "batch_size: 100000 x 1 processes needs more rows"),
+    ],
+    ids=["invalid-config", "missing-partition", "batch-larger-than-data"],
+)
+def test_training_job_rejects_bad_input_with_exit_2(features_root, tmp_path, changes, message):
+    job = Job(write_run_config(tmp_path, features_root, **changes))
+    assert job.wait() == 2
+    assert message in job.output
+    assert "Traceback" not in job.output
+
+
+def test_training_job_changed_data_refuses_to_resume(baseline, features_root, tmp_path):
+    config = write_run_config(tmp_path, features_root, ds_range={"start": DAYS[0], "end": DAYS[0]})
+    shutil.copytree(baseline.run_dir / "checkpoints", tmp_path / "run" / "checkpoints")
+    job = Job(config)
+    assert job.wait() == 2
+    assert "belongs to a different run (differs in data_sha256, plan)" in job.output
+    assert job.progress()["state"] == "failed"

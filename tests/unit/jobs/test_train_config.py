@@ -1,0 +1,326 @@
+"""Run config validation of jobs/train.py: every bad field is named; the shipped configs are valid."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "jobs"))
+
+from hybridtrain.config import (  # noqa: E402
+    DEFAULT_MODEL_PRESETS_PATH,
+    ModelSpec,
+    deepspeed_settings_for_run,
+    load_model_presets,
+    load_run_config,
+)
+from hybridtrain.errors import ConfigError, ExitCode  # noqa: E402
+
+ZERO1 = REPO / "include" / "deepspeed" / "zero1.json"
+
+
+def valid_config(**changes: object) -> dict:
+    config = {
+        "run_id": "nightly__2026-01-02",
+        "features_root": "/data/features",
+        "ds": ["2026-01-02", "2026-01-01"],
+        "run_dir": "/data/runs/r1",
+        "model": {"preset": "tiny"},
+        "epochs": 2,
+        "batch_size": 64,
+        "learning_rate": 0.01,
+        "checkpoint_every_steps": 50,
+        "seed": 7,
+        "zero_stage": 1,
+        "deepspeed_config": str(ZERO1),
+    }
+    for key, value in changes.items():
+        if value is _DROP:
+            config.pop(key)
+        else:
+            config[key] = value
+    return config
+
+
+_DROP = object()
+
+
+def write_config(tmp_path: Path, config: dict) -> Path:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_training_config_accepts_the_documented_fields(tmp_path):
+    config = load_run_config(
+        write_config(
+            tmp_path,
+            valid_config(
+                max_steps=500,
+                keep_last_checkpoints=3,
+                holdout_fraction=0.25,
+                log_every_steps=5,
+                progress_every_s=2,
+                gpu_sample_every_s=1.5,
+                torch_threads=2,
+                labels={"dag_id": "nightly"},
+                _comment="ignored",
+            ),
+        )
+    )
+    assert config.ds == ("2026-01-01", "2026-01-02")
+    assert config.model == ModelSpec(hidden_sizes=(16,), dropout=0.0, preset="tiny")
+    assert (config.epochs, config.max_steps, config.batch_size, config.learning_rate) == (2, 500, 64, 0.01)
+    assert (config.keep_last_checkpoints, config.holdout_fraction, config.torch_threads) == (3, 0.25, 2)
+    assert config.deepspeed_settings["optimizer"]["params"]["torch_adam"] is True
+    assert config.checkpoints_dir == Path("/data/runs/r1/checkpoints")
+    assert config.export_dir == Path("/data/runs/r1/export")
+
+
+def test_training_config_defaults_and_relative_paths(tmp_path):
+    (tmp_path / "ds.json").write_text(ZERO1.read_text())
+    config = load_run_config(
+        write_config(
+            tmp_path,
+            valid_config(
+                features_root="features",
+                run_dir="runs/r1",
+                deepspeed_config="ds.json",
+                ds=_DROP,
+                ds_range={"start": "2026-02-27", "end": "2026-03-01"},
+            ),
+        )
+    )
+    assert config.features_root == str(tmp_path / "features")
+    assert config.run_dir == tmp_path / "runs" / "r1"
+    assert config.deepspeed_config == tmp_path / "ds.json"
+    assert config.ds == ("2026-02-27", "2026-02-28", "2026-03-01")
+    assert (config.holdout_fraction, config.log_every_steps, config.progress_every_s) == (0.2, 10, 5.0)
+    assert (config.gpu_sample_every_s, config.keep_last_checkpoints, config.torch_threads) == (
+        5.0,
+        None,
+        None,
+    )
+
+
+def test_training_config_null_optional_fields_take_defaults(tmp_path):
+    nulls = dict.fromkeys(
+        [
+            "max_steps",
+            "keep_last_checkpoints",
+            "holdout_fraction",
+            "log_every_steps",
+            "progress_every_s",
+            "gpu_sample_every_s",
+            "torch_threads",
+            "model_presets_path",
+            "labels",
+            "run_id",
+        ]
+    )
+    config = load_run_config(write_config(tmp_path, valid_config(**nulls)))
+    assert (config.max_steps, config.keep_last_checkpoints, config.holdout_fraction) == (None, None, 0.2)
+    assert (config.log_every_steps, config.torch_threads, config.labels, config.run_id) == (
+        10,
+        None,
+        {},
+        None,
+    )
+    only_steps = load_run_config(write_config(tmp_path, valid_config(epochs=None, max_steps=9)))
+    assert (only_steps.epochs, only_steps.max_steps) == (None, 9)
+
+
+def test_training_config_keeps_uri_features_root(tmp_path):
+    config = load_run_config(write_config(tmp_path, valid_config(features_root="s3://bucket/features")))
+    assert config.features_root == "s3://bucket/features"
+
+
+def test_training_config_model_from_hidden_sizes_or_preset_with_dropout(tmp_path):
+    explicit = load_run_config(
+        write_config(tmp_path, valid_config(model={"hidden_sizes": [8, 4], "dropout": 0.1}))
+    )
+    assert explicit.model == ModelSpec(hidden_sizes=(8, 4), dropout=0.1)
+    preset = load_run_config(write_config(tmp_path, valid_config(model={"preset": "small", "dropout": 0.3})))
+    assert preset.model == ModelSpec(hidden_sizes=(128, 64), dropout=0.3, preset="small")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"features_root": ""}, "features_root: must be a non-empty string"),
+        ({"run_dir": _DROP}, "run_dir: must be a non-empty string"),
+        ({"ds": _DROP}, "ds / ds_range: give exactly one"),
+        ({"ds_range": {"start": "2026-01-01", "end": "2026-01-02"}}, "ds / ds_range: give exactly one"),
+        ({"ds": []}, "ds: must be a non-empty list"),
+        ({"ds": ["2026-02-30"]}, "ds: not YYYY-MM-DD dates"),
+        ({"ds": ["2026-1-2"]}, "ds: not YYYY-MM-DD dates"),
+        ({"ds": ["2026-01-01", "2026-01-01"]}, "ds: lists a date more than once"),
+        (
+            {"ds": _DROP, "ds_range": {"start": "2026-01-03", "end": "2026-01-01"}},
+            "ds_range: start 2026-01-03 is after",
+        ),
+        ({"ds": _DROP, "ds_range": {"start": "2026-01-03"}}, "ds_range: must be"),
+        ({"model": "tiny"}, "model: must be"),
+        (
+            {"model": {"preset": "tiny", "hidden_sizes": [4]}},
+            "model: give exactly one of preset and hidden_sizes",
+        ),
+        ({"model": {"preset": "huge"}}, "model.preset: 'huge' is not in"),
+        (
+            {"model": {"hidden_sizes": [8, 0]}},
+            "model.hidden_sizes: must be a non-empty list of integers >= 1",
+        ),
+        ({"model": {"hidden_sizes": []}}, "model.hidden_sizes: must be a non-empty list"),
+        ({"model": {"hidden_sizes": [8], "dropout": 1.0}}, "model.dropout: must be a number in [0, 1)"),
+        ({"model": {"hidden_sizes": [8], "layers": 2}}, "model: unknown keys ['layers']"),
+        (
+            {"model_presets_path": "/nowhere/presets.json"},
+            "model_presets_path: model presets /nowhere/presets.json",
+        ),
+        ({"epochs": _DROP}, "epochs / max_steps: give at least one"),
+        ({"epochs": None, "max_steps": None}, "epochs / max_steps: give at least one"),
+        ({"epochs": 0}, "epochs: must be an integer >= 1, got 0"),
+        ({"max_steps": 2.5}, "max_steps: must be an integer >= 1, got 2.5"),
+        ({"batch_size": 0}, "batch_size: must be an integer >= 1, got 0"),
+        ({"batch_size": True}, "batch_size: must be an integer >= 1, got True"),
+        ({"batch_size": "64"}, "batch_size: must be an integer >= 1, got '64'"),
+        ({"learning_rate": 0}, "learning_rate: must be a finite number > 0"),
+        ({"learning_rate": "0.01"}, "learning_rate: must be a finite number > 0"),
+        ({"checkpoint_every_steps": _DROP}, "checkpoint_every_steps: must be an integer >= 1, got None"),
+        ({"learning_rate": None}, "learning_rate: must be a finite number > 0, got None"),
+        ({"keep_last_checkpoints": 0}, "keep_last_checkpoints: must be an integer >= 1"),
+        ({"seed": -1}, "seed: must be an integer from 0 to 4294967295"),
+        ({"zero_stage": 4}, "zero_stage: must be an integer from 0 to 3, got 4"),
+        (
+            {"deepspeed_config": "/nowhere/ds.json"},
+            "deepspeed_config: DeepSpeed config /nowhere/ds.json does not exist",
+        ),
+        ({"holdout_fraction": 1}, "holdout_fraction: must be a number in (0, 1)"),
+        ({"holdout_fraction": 0}, "holdout_fraction: must be a number in (0, 1)"),
+        ({"log_every_steps": 0}, "log_every_steps: must be an integer >= 1"),
+        ({"progress_every_s": -5}, "progress_every_s: must be a finite number > 0"),
+        ({"gpu_sample_every_s": float("inf")}, "gpu_sample_every_s: must be a finite number > 0"),
+        ({"torch_threads": 0}, "torch_threads: must be an integer >= 1"),
+        ({"run_id": ""}, "run_id: must be a non-empty string"),
+        ({"labels": ["x"]}, "labels: must be an object"),
+        ({"chekpoint_every_steps": 5}, "chekpoint_every_steps: unknown field"),
+    ],
+    ids=lambda value: None if isinstance(value, dict) else value.split(":")[0],
+)
+def test_training_config_rejects_invalid_field(tmp_path, changes, message):
+    with pytest.raises(ConfigError) as raised:
+        load_run_config(write_config(tmp_path, valid_config(**changes)))
+    assert message in str(raised.value)
+    assert str(tmp_path / "run.json") in str(raised.value)
+    assert raised.value.exit_code == ExitCode.INVALID_INPUT
+
+
+def test_training_config_reports_every_problem_at_once(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        load_run_config(write_config(tmp_path, valid_config(batch_size=0, seed="x", zero_stage=9)))
+    lines = str(raised.value).splitlines()
+    assert [line.strip().split(":")[0] for line in lines[1:]] == ["batch_size", "seed", "zero_stage"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "must hold a JSON object, got list"),
+        ('{"gradient_clipping": 1.0}', 'needs an "optimizer" section with a "type"'),
+    ],
+)
+def test_training_config_rejects_bad_deepspeed_config(tmp_path, content, message):
+    (tmp_path / "ds.json").write_text(content)
+    with pytest.raises(ConfigError, match="deepspeed_config: ") as raised:
+        load_run_config(write_config(tmp_path, valid_config(deepspeed_config="ds.json")))
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "run config .* is not valid JSON"),
+        ('"text"', "run config .* must hold a JSON object, got str"),
+    ],
+)
+def test_training_config_rejects_unreadable_file(tmp_path, content, message):
+    path = tmp_path / "run.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(path)
+
+
+def test_training_config_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"run config .*missing\.json does not exist"):
+        load_run_config(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    ("presets", "message"),
+    [
+        ({}, "'presets' must be a non-empty object"),
+        ({"presets": {"x": {"dropout": 0.1}}}, "presets.x.hidden_sizes: must be a non-empty list"),
+        (
+            {"presets": {"x": {"hidden_sizes": [4], "dropout": 2}}},
+            "presets.x.dropout: must be a number in [0, 1)",
+        ),
+        ({"presets": {"x": [4]}}, "presets.x: must be an object"),
+    ],
+)
+def test_training_model_presets_are_validated(tmp_path, presets, message):
+    path = tmp_path / "presets.json"
+    path.write_text(json.dumps(presets))
+    with pytest.raises(ConfigError) as raised:
+        load_model_presets(path)
+    assert message in str(raised.value)
+
+
+def test_training_shipped_model_presets_cover_tests_local_and_production():
+    presets = load_model_presets(DEFAULT_MODEL_PRESETS_PATH)
+    assert {"tiny", "small", "large"} <= set(presets)
+    sizes = {name: sum(presets[name].hidden_sizes) for name in ("tiny", "small", "large")}
+    assert sizes["tiny"] < sizes["small"] < sizes["large"]
+
+
+SHIPPED_DEEPSPEED_CONFIGS = sorted((REPO / "include" / "deepspeed").glob("*.json"))
+
+
+def test_training_ships_a_deepspeed_config_per_zero_stage():
+    assert {path.name for path in SHIPPED_DEEPSPEED_CONFIGS} >= {"zero1.json", "zero2.json", "zero3.json"}
+
+
+@pytest.mark.parametrize("path", SHIPPED_DEEPSPEED_CONFIGS, ids=lambda path: path.name)
+def test_training_shipped_deepspeed_configs_need_no_jit_build(path):
+    settings = json.loads(path.read_text())
+    assert settings["zero_optimization"]["stage"] == int(path.name[len("zero")])
+    assert settings["optimizer"]["type"] == "AdamW"
+    assert settings["optimizer"]["params"]["torch_adam"] is True, "FusedAdam would JIT-compile on the cluster"
+    assert not settings.get("fp16", {}).get("enabled")
+    assert bool(settings.get("bf16", {}).get("enabled")) == path.name.endswith("_bf16.json")
+
+
+def test_training_deepspeed_settings_take_the_run_config_values():
+    settings = json.loads(ZERO1.read_text()) | {
+        "train_micro_batch_size_per_gpu": 32,
+        "gradient_accumulation_steps": 4,
+    }
+    result, notes = deepspeed_settings_for_run(
+        settings, batch_size=64, world_size=2, learning_rate=0.05, zero_stage=3
+    )
+    assert result["train_micro_batch_size_per_gpu"] == 64
+    assert result["train_batch_size"] == 128
+    assert result["gradient_accumulation_steps"] == 1
+    assert result["optimizer"]["params"]["lr"] == 0.05
+    assert result["zero_optimization"]["stage"] == 3
+    assert settings["zero_optimization"]["stage"] == 1, "the input is not modified"
+    assert notes == [
+        "train_micro_batch_size_per_gpu: 32 in the DeepSpeed config replaced by 64",
+        "gradient_accumulation_steps: 4 in the DeepSpeed config replaced by 1",
+        "zero_optimization.stage: 1 in the DeepSpeed config replaced by 3",
+        "optimizer.params.lr: 0.001 in the DeepSpeed config replaced by 0.05",
+    ]

@@ -1,0 +1,81 @@
+"""AUC and log loss of the training job, computed in numpy."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
+
+from hybridtrain.evaluation import LOG_LOSS_EPS, log_loss, roc_auc  # noqa: E402
+
+
+def pairwise_auc(labels, scores) -> float:
+    """The definition: the share of (positive, negative) pairs ordered correctly, ties counting one half."""
+    positives = [s for s, y in zip(scores, labels, strict=True) if y]
+    negatives = [s for s, y in zip(scores, labels, strict=True) if not y]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(positives, negatives))
+    return wins / (len(positives) * len(negatives))
+
+
+@pytest.mark.parametrize(
+    ("labels", "scores", "expected"),
+    [
+        ([0, 0, 1, 1], [0.1, 0.2, 0.8, 0.9], 1.0),
+        ([1, 1, 0, 0], [0.1, 0.2, 0.8, 0.9], 0.0),
+        ([0, 1, 0, 1], [0.5, 0.5, 0.5, 0.5], 0.5),
+        ([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8], 0.75),
+        ([0, 1, 1, 0, 1], [0.2, 0.2, 0.7, 0.7, 0.9], (0.5 + 0 + 1 + 0.5 + 1 + 1) / 6),
+        ([0, 1], [-3.0, 2.0], 1.0),
+    ],
+    ids=["perfect", "inverted", "all-tied", "one-swap", "ties", "logits"],
+)
+def test_training_auc_table(labels, scores, expected):
+    assert roc_auc(np.array(labels), np.array(scores)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("labels", [[0, 0, 0], [1, 1], []], ids=["negatives-only", "positives-only", "empty"])
+def test_training_auc_is_undefined_for_one_class(labels):
+    assert roc_auc(np.array(labels), np.zeros(len(labels))) is None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_training_auc_matches_the_pairwise_definition(seed):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, 200)
+    scores = np.round(rng.random(200), 1)
+    assert roc_auc(labels, scores) == pytest.approx(pairwise_auc(labels, scores), abs=1e-12)
+
+
+def test_training_auc_rejects_mismatched_shapes():
+    with pytest.raises(ValueError):
+        roc_auc(np.array([0, 1]), np.array([0.1, 0.2, 0.3]))
+
+
+@pytest.mark.parametrize(
+    ("labels", "probabilities", "expected"),
+    [
+        ([1, 0], [0.5, 0.5], math.log(2)),
+        ([1, 0], [0.9, 0.1], -math.log(0.9)),
+        (
+            [1, 1, 0, 0],
+            [0.8, 0.6, 0.3, 0.1],
+            -(math.log(0.8) + math.log(0.6) + math.log(0.7) + math.log(0.9)) / 4,
+        ),
+        ([1, 0], [1.0, 0.0], -math.log(1 - LOG_LOSS_EPS)),
+        ([1, 0], [0.0, 1.0], -math.log(LOG_LOSS_EPS)),
+    ],
+    ids=["coin", "confident-right", "mixed", "certain-right", "certain-wrong-is-clipped"],
+)
+def test_training_log_loss_table(labels, probabilities, expected):
+    assert log_loss(np.array(labels), np.array(probabilities)) == pytest.approx(expected, rel=1e-9)
+
+
+def test_training_log_loss_rejects_empty_input():
+    with pytest.raises(ValueError):
+        log_loss(np.array([]), np.array([]))

@@ -1,0 +1,91 @@
+"""TorchScript export of the trained network: raw features in, probabilities out, signature and smoke set."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
+
+from hybridtrain.config import ModelSpec  # noqa: E402
+from hybridtrain.export import SMOKE_ROWS, export_model  # noqa: E402
+from hybridtrain.features import standardization  # noqa: E402
+from hybridtrain.model import build_network  # noqa: E402
+
+COLUMNS = ("spend_30d", "visits_7d", "tenure_days")
+SPEC = ModelSpec(hidden_sizes=(8, 4), dropout=0.1, preset=None)
+
+
+@pytest.fixture
+def exported(tmp_path):
+    torch.manual_seed(0)
+    raw = (
+        np.random.default_rng(0)
+        .normal(loc=[100, 3, 900], scale=[30, 1, 300], size=(64, 3))
+        .astype(np.float32)
+    )
+    mean, std = standardization(raw)
+    network = build_network(len(COLUMNS), SPEC)
+    export_dir = tmp_path / "export"
+    export_dir.mkdir()
+    (export_dir / "stale.txt").write_text("from an earlier attempt")
+    result = export_model(
+        network.state_dict(),
+        spec=SPEC,
+        mean=mean,
+        std=std,
+        feature_columns=COLUMNS,
+        smoke_inputs=raw[:SMOKE_ROWS],
+        export_dir=export_dir,
+        details={"step": 12, "run_id": "r1"},
+    )
+    expected = torch.sigmoid(network.eval()(torch.from_numpy((raw - mean) / std))).detach().numpy()
+    return export_dir, result, raw, expected
+
+
+def test_training_export_is_torchscript_of_probabilities_on_raw_features(exported):
+    export_dir, result, raw, expected = exported
+    model = torch.jit.load(str(export_dir / "model.pt"))
+    assert isinstance(model, torch.jit.ScriptModule)
+    outputs = model(torch.from_numpy(raw))
+    assert outputs.dtype == torch.float32 and tuple(outputs.shape) == (64, 1)
+    assert ((outputs > 0) & (outputs < 1)).all()
+    np.testing.assert_allclose(outputs.detach().numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert result["model"] == str(export_dir / "model.pt")
+
+
+def test_training_export_signature_names_triton_tensors(exported):
+    export_dir, _, _, _ = exported
+    signature = json.loads((export_dir / "signature.json").read_text())
+    assert signature["feature_columns"] == list(COLUMNS)
+    assert signature["n_features"] == 3
+    assert signature["inputs"] == [{"name": "INPUT__0", "dtype": "float32", "shape": [-1, 3]}]
+    assert signature["outputs"][0] | {"meaning": None} == {
+        "name": "OUTPUT__0",
+        "dtype": "float32",
+        "shape": [-1, 1],
+        "meaning": None,
+    }
+    assert (signature["step"], signature["run_id"], signature["format"]) == (12, "r1", "torchscript")
+
+
+def test_training_export_smoke_set_reproduces_with_the_saved_model(exported):
+    export_dir, _, raw, _ = exported
+    smoke = json.loads((export_dir / "smoke.json").read_text())
+    assert len(smoke["inputs"]) == len(smoke["outputs"]) == SMOKE_ROWS
+    assert (smoke["input_name"], smoke["output_name"]) == ("INPUT__0", "OUTPUT__0")
+    np.testing.assert_array_equal(np.array(smoke["inputs"], dtype=np.float32), raw[:SMOKE_ROWS])
+    model = torch.jit.load(str(export_dir / "model.pt"))
+    outputs = model(torch.tensor(smoke["inputs"], dtype=torch.float32)).detach().numpy()
+    np.testing.assert_allclose(outputs, np.array(smoke["outputs"]), atol=smoke["atol"])
+
+
+def test_training_export_replaces_the_previous_export_whole(exported):
+    export_dir, _, _, _ = exported
+    assert sorted(path.name for path in export_dir.iterdir()) == ["model.pt", "signature.json", "smoke.json"]
+    assert [path.name for path in export_dir.parent.iterdir()] == ["export"]

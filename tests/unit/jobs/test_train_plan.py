@@ -1,0 +1,74 @@
+"""The training plan: deterministic batches, so a resumed run takes exactly the uninterrupted run's steps."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
+
+from hybridtrain.errors import ConfigError  # noqa: E402
+from hybridtrain.plan import epoch_permutation, make_plan  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("rows", "batch", "world", "epochs", "max_steps", "per_epoch", "total"),
+    [
+        (1000, 100, 1, 3, None, 10, 30),
+        (1050, 100, 1, 3, None, 10, 30),
+        (1000, 100, 2, 3, None, 5, 15),
+        (1000, 100, 1, None, 7, 10, 7),
+        (1000, 100, 1, 2, 25, 10, 20),
+        (1000, 100, 1, 5, 25, 10, 25),
+        (100, 100, 1, 1, None, 1, 1),
+    ],
+    ids=[
+        "epochs",
+        "drops-partial-batch",
+        "two-ranks",
+        "max-steps",
+        "epochs-first",
+        "max-steps-first",
+        "one-batch",
+    ],
+)
+def test_training_plan_step_counts(rows, batch, world, epochs, max_steps, per_epoch, total):
+    plan = make_plan(
+        n_train_rows=rows, batch_size=batch, world_size=world, seed=1, epochs=epochs, max_steps=max_steps
+    )
+    assert (plan.steps_per_epoch, plan.total_steps, plan.rows_per_step) == (per_epoch, total, batch * world)
+
+
+def test_training_plan_needs_one_full_step_of_rows():
+    with pytest.raises(ConfigError, match=r"batch_size: 64 x 2 processes needs more rows than the 100"):
+        make_plan(n_train_rows=100, batch_size=64, world_size=2, seed=1, epochs=1, max_steps=None)
+
+
+def test_training_plan_visits_every_row_once_per_epoch_across_ranks():
+    plan = make_plan(n_train_rows=103, batch_size=5, world_size=2, seed=3, epochs=2, max_steps=None)
+    for epoch in range(2):
+        steps = range(epoch * plan.steps_per_epoch, (epoch + 1) * plan.steps_per_epoch)
+        seen = np.concatenate([plan.batch_rows(step, rank) for step in steps for rank in range(2)])
+        assert len(seen) == len(set(seen.tolist())) == 100
+    first, second = (plan.batch_rows(step, 0) for step in (0, plan.steps_per_epoch))
+    assert not np.array_equal(first, second), "each epoch has its own order"
+
+
+def test_training_plan_batches_depend_only_on_seed_and_step():
+    plan = make_plan(n_train_rows=500, batch_size=16, world_size=1, seed=9, epochs=3, max_steps=None)
+    uninterrupted = [plan.batch_rows(step, 0).copy() for step in range(plan.total_steps)]
+    epoch_permutation.cache_clear()
+    resumed = make_plan(n_train_rows=500, batch_size=16, world_size=1, seed=9, epochs=3, max_steps=None)
+    resume_at = plan.steps_per_epoch + 7
+    for step in range(resume_at, plan.total_steps):
+        assert np.array_equal(resumed.batch_rows(step, 0), uninterrupted[step])
+    other_seed = make_plan(n_train_rows=500, batch_size=16, world_size=1, seed=10, epochs=3, max_steps=None)
+    assert not np.array_equal(other_seed.batch_rows(0, 0), uninterrupted[0])
+
+
+def test_training_plan_epochs_completed():
+    plan = make_plan(n_train_rows=100, batch_size=10, world_size=1, seed=0, epochs=3, max_steps=None)
+    assert [plan.epochs_completed(step) for step in (0, 9, 10, 29, 30)] == [0, 0, 1, 2, 3]
