@@ -153,3 +153,28 @@ def test_checkpoint_sensor_pokes_until_a_complete_checkpoint_exists(stack, tmp_p
         assert result.xcom_value["step"] == 60 and result.xcom_value["path"].endswith("/step_60")
     finally:
         shutil.rmtree(root)
+
+
+def test_checkpoint_trigger_waits_for_the_manifest_then_yields_the_checkpoint(checkpoint_tree):
+    """The deferrable path: step_20 gets its manifest while the trigger polls, and becomes the newest complete."""
+    from hybridflow.triggers.checkpoint import CheckpointTrigger
+
+    trigger = CheckpointTrigger(checkpoint_root=str(checkpoint_tree), min_step=20, verify_hashes=True,
+                                ssh_conn_id="slurm_ssh", storage_conn_id="storage_s3", poke_interval_s=1,
+                                timeout_s=60)
+    step_dir = checkpoint_tree / "step_20"
+
+    def publish_manifest():
+        entries = [{"path": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                   for p in sorted(step_dir.iterdir())]
+        (step_dir / "MANIFEST.json").write_text(json.dumps({"step": 20, "files": entries, "metrics": {"loss": 0.5}}))
+
+    threading.Timer(3, publish_manifest).start()
+
+    async def first_event():
+        async for event in trigger.run():
+            return event.payload
+
+    event = asyncio.run(first_event())
+    assert event["status"] == "found" and event["step"] == 20
+    assert event["metrics"] == {"loss": 0.5}

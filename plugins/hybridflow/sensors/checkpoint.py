@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from airflow.sdk import BaseSensorOperator, PokeReturnValue
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import BaseSensorOperator, PokeReturnValue, conf
+from airflow.sdk.exceptions import AirflowSensorTimeout
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -16,7 +20,7 @@ class CheckpointSensor(BaseSensorOperator):
     Waits for the newest checkpoint under ``checkpoint_root`` (a directory on the cluster's filesystem, read over
     SSH, or an ``s3://`` prefix) whose ``MANIFEST.json`` verifies: every listed file present with its size and,
     unless ``verify_hashes`` is off, its sha256. Incomplete or corrupt newer checkpoints are logged and skipped.
-    Returns (and pushes) ``{"name", "step", "path", "metrics"}``.
+    Returns (and pushes) ``{"name", "step", "path", "metrics"}``. With ``deferrable`` it waits in the triggerer.
 
     :param checkpoint_root: ``<run_dir>/checkpoints`` or ``s3://bucket/prefix`` (templated).
     :param min_step: only a checkpoint at or after this step counts (templated).
@@ -25,7 +29,8 @@ class CheckpointSensor(BaseSensorOperator):
     template_fields: Sequence[str] = ("checkpoint_root", "min_step")
 
     def __init__(self, *, checkpoint_root: str, min_step: int | str = 0, verify_hashes: bool = True,
-                 ssh_conn_id: str = "slurm_ssh", storage_conn_id: str = "storage_s3", **kwargs):
+                 ssh_conn_id: str = "slurm_ssh", storage_conn_id: str = "storage_s3",
+                 deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False), **kwargs):
         kwargs.setdefault("mode", "reschedule")
         kwargs.setdefault("poke_interval", 30)
         super().__init__(**kwargs)
@@ -34,6 +39,30 @@ class CheckpointSensor(BaseSensorOperator):
         self.verify_hashes = verify_hashes
         self.ssh_conn_id = ssh_conn_id
         self.storage_conn_id = storage_conn_id
+        self.deferrable = deferrable
+
+    def execute(self, context: Context) -> Any:
+        if not self.deferrable:
+            return super().execute(context)
+        first = self.poke(context)
+        if first.is_done:
+            return first.xcom_value
+        from hybridflow.triggers.checkpoint import CheckpointTrigger
+
+        self.defer(
+            trigger=CheckpointTrigger(
+                checkpoint_root=self.checkpoint_root, min_step=int(self.min_step), verify_hashes=self.verify_hashes,
+                ssh_conn_id=self.ssh_conn_id, storage_conn_id=self.storage_conn_id,
+                poke_interval_s=self.poke_interval, timeout_s=self.timeout,
+            ),
+            method_name="execute_complete", timeout=timedelta(seconds=self.timeout + 300),
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
+        if event.get("status") != "found":
+            raise AirflowSensorTimeout(f"{event.get('message', event)}. Runbook: include/runbooks/training.md")
+        self.log.info("complete checkpoint %s (step %d)", event["name"], event["step"])
+        return {k: event[k] for k in ("name", "step", "path", "metrics")}
 
     def poke(self, context: Context) -> PokeReturnValue:
         from hybridflow.hooks.checkpoints import newest_complete, open_store
