@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import datetime
 
 
-def main(dag_file: str, dag_id: str, conf_json: str) -> None:
+def main(dag_file: str, dag_id: str, conf_json: str, logical_date: str = "") -> None:
     from airflow.models.xcom import XComModel
     from airflow.utils.cli import get_bagged_dag
     from airflow.utils.session import create_session
 
     dag = get_bagged_dag(bundle_names=None, dag_id=dag_id, dagfile_path=dag_file)  # parses and serializes it
-    run = dag.test(run_conf=json.loads(conf_json))
+    # The same logical date gives the same run id: running it again is what a new try of its tasks sees.
+    moment = datetime.fromisoformat(logical_date) if logical_date else None
+    when = {"logical_date": moment, "run_after": moment} if moment else {}
+    run = dag.test(run_conf=json.loads(conf_json), **when)
     tasks = {}
     with create_session() as session:
         for ti in run.get_task_instances(session=session):
@@ -28,4 +32,4 @@ def main(dag_file: str, dag_id: str, conf_json: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -34,11 +34,15 @@ def isolated_airflow_env(stack, tmp_path_factory) -> dict[str, str]:
 def run_dag(isolated_airflow_env):
     """Write a DAG file and run its DAG once through Airflow's real task lifecycle (dag.test, triggers inline)."""
 
-    def run(source: str, dag_id: str, conf: dict | None = None, timeout_s: float = 600) -> dict:
+    def run(source: str, dag_id: str, conf: dict | None = None, timeout_s: float = 600, logical_date: str = "",
+            background: bool = False):
         dag_file = Path(isolated_airflow_env["AIRFLOW__CORE__DAGS_FOLDER"]) / f"{dag_id}.py"
         dag_file.write_text(source)
-        out = subprocess.run([sys.executable, str(RUNNER), str(dag_file), dag_id, json.dumps(conf or {})],
-                             env=isolated_airflow_env, capture_output=True, text=True, timeout=timeout_s)
+        argv = [sys.executable, str(RUNNER), str(dag_file), dag_id, json.dumps(conf or {}), logical_date]
+        if background:  # the caller kills it: a task process dying mid-wait
+            return subprocess.Popen(argv, env=isolated_airflow_env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+        out = subprocess.run(argv, env=isolated_airflow_env, capture_output=True, text=True, timeout=timeout_s)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if not lines:
             pytest.fail(f"DAG run produced no result (rc {out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")

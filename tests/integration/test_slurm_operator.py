@@ -135,3 +135,34 @@ def test_slurm_operator_failure_message_from_a_real_failed_job(stack, log_dir):
     with pytest.raises(SlurmJobFailed, match=rf"Slurm job {job_id} .* ended FAILED with exit code 7:0") as err:
         op._finish(status)
     assert "oops" in str(err.value)
+
+
+@pytest.mark.parametrize("deferrable", [False, True], ids=["killed-while-polling", "killed-while-deferred"])
+def test_slurm_operator_task_killed_mid_wait_then_rerun_reattaches_to_the_one_job(run_dag, log_dir, deferrable):
+    """SIGKILL the process running the task while it waits for its job, then run the task again for the same
+    DAG run (same run id, so the same job name): it must follow the first job, never submit a second."""
+    import os
+    import signal
+
+    dag_id = f"t_slurm_kill_{uuid.uuid4().hex[:6]}"
+    source = DAG_TEMPLATE.format(dag_id=dag_id, command=["bash", "-c", "sleep 12; echo finished-once"],
+                                 log_dir=log_dir, progress_path="").replace(
+        "retries=0,", f"retries=0, deferrable={deferrable},")
+    logical_date = "2026-01-01T00:00:00+00:00"
+    first = run_dag(source, dag_id, logical_date=logical_date, background=True)
+    prefix = f"hf-{dag_id}-job-"
+    deadline = time.monotonic() + 120
+    while not jobs_named(prefix) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert jobs_named(prefix), "the first try never submitted"
+    time.sleep(2)  # well inside the wait
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+
+    result = run_dag(source, dag_id, logical_date=logical_date)
+    assert result["state"] == "success", result["log"][-3000:]
+    assert "Reattaching to Slurm job" in result["log"]
+    (job_id,) = jobs_named(prefix)  # exactly one job with this run's name, in the queue and in accounting
+    assert result["tasks"]["job"]["xcom"]["slurm_job_id"] == job_id
+    outputs = SlurmHook().run(["bash", "-c", f"cat {log_dir}/*-{job_id}.out"]).stdout
+    assert outputs.count("finished-once") == 1
