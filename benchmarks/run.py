@@ -1,0 +1,101 @@
+"""Runs the benchmarks: ``python benchmarks/run.py [NAME ...]`` (all of them when no name is given).
+
+A benchmark is a module ``benchmarks/bench_<name>.py`` with ``main() -> dict`` that prints, as its last line,
+``RESULT <name> key=value ...``. Each one runs in its own Python process (a benchmark may start a JVM or pin
+threads; the next one starts clean); the runner echoes its output, checks the RESULT line, and writes the
+returned dict as JSON to ``benchmarks/results/<name>.json``. Exit status: 0 when every benchmark succeeded,
+1 when one failed, 2 for an unknown name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+PREFIX = "bench_"
+
+
+def available() -> list[str]:
+    return sorted(p.stem[len(PREFIX):] for p in BENCH_DIR.glob(f"{PREFIX}*.py"))
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def run_in_this_process(name: str, out: Path) -> int:
+    """Child mode: import the module, call main(), hand the dict back through ``out``."""
+    sys.path.insert(0, str(BENCH_DIR))
+    result = importlib.import_module(PREFIX + name).main()
+    if not isinstance(result, dict):
+        print(f"{PREFIX}{name}.main() returned {type(result).__name__}, not a dict", file=sys.stderr)
+        return 1
+    out.write_text(json.dumps(result, default=str))
+    return 0
+
+
+def run_one(name: str) -> bool:
+    print(f"== benchmark {name}", flush=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        child = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--child", name, "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1,
+        )
+        last = ""
+        assert child.stdout is not None
+        for line in child.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if line.strip():
+                last = line.strip()
+        code = child.wait()
+        elapsed = time.monotonic() - started
+        if code != 0 or not out.exists():
+            print(f"== benchmark {name} FAILED (exit {code}) after {elapsed:.0f} s", flush=True)
+            return False
+        if not last.startswith(f"RESULT {name} "):
+            print(f"== benchmark {name} FAILED: its last line is not `RESULT {name} key=value ...`: {last!r}",
+                  flush=True)
+            return False
+        write_json(RESULTS_DIR / f"{name}.json", json.loads(out.read_text()))
+    print(f"== benchmark {name} done in {elapsed:.0f} s -> {RESULTS_DIR / (name + '.json')}", flush=True)
+    return True
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="Run the benchmarks in benchmarks/bench_<name>.py.")
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default all: {', '.join(available())})")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return run_in_this_process(args.child, args.out)
+    names = args.names or available()
+    unknown = [n for n in names if n not in available()]
+    if unknown:
+        print(f"unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(available())}",
+              file=sys.stderr)
+        return 2
+    failed = [name for name in names if not run_one(name)]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

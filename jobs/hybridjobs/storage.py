@@ -1,0 +1,159 @@
+"""The storage layout every stage shares, its manifests, and atomic publishing. Standard library only.
+
+Layout under a storage root: ``<root>/<dataset>/ds=YYYY-MM-DD/`` for the datasets ``raw``, ``features``,
+``quarantine`` and ``predictions``. A partition is published when it holds ``_MANIFEST.json`` and, written
+after it, ``_SUCCESS``. Readers must ignore a partition without ``_SUCCESS``.
+
+Publishing: a job writes into a staging directory that is a hidden sibling of the target
+(``.ds=<ds>.staging-<id>``, ignored by Spark and pyarrow because of the leading dot), writes the manifest and
+the marker there, then renames it into place. An older partition is first renamed aside and deleted after the
+swap, so a rerun of a ds replaces the partition and never mixes old and new files. Between the two renames
+(microseconds) the partition is absent; a reader then sees "not published", never a half-written partition.
+Renames are atomic on one POSIX file system (local disk, NFS, Lustre); object stores need a different
+commit protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+DATASETS = ("raw", "features", "quarantine", "predictions")
+MANIFEST_NAME = "_MANIFEST.json"
+SUCCESS_NAME = "_SUCCESS"
+FORMAT_VERSION = 1
+STALE_STAGING_S = 3600
+
+
+class PartitionNotPublishedError(RuntimeError):
+    """A stage's input partition has no ``_SUCCESS`` marker (missing, or its writer has not finished)."""
+
+
+def parse_ds(ds: str) -> date:
+    """``YYYY-MM-DD`` -> date; anything else raises ValueError naming the expected form."""
+    try:
+        parsed = datetime.strptime(ds, "%Y-%m-%d").date()
+    except (TypeError, ValueError):
+        raise ValueError(f"ds must be a date as YYYY-MM-DD, got {ds!r}") from None
+    if parsed.isoformat() != ds:
+        raise ValueError(f"ds must be a date as YYYY-MM-DD, got {ds!r}")
+    return parsed
+
+
+def interval_end(ds: str) -> datetime:
+    """The exclusive end of a daily partition's data interval: midnight UTC after ``ds``."""
+    start = datetime.combine(parse_ds(ds), datetime.min.time(), tzinfo=UTC)
+    return start + timedelta(days=1)
+
+
+def lookback_ds(ds: str, days: int) -> list[str]:
+    """The ``days`` partitions ending at ``ds``, oldest first (``days=1`` is just ``ds``)."""
+    if days < 1:
+        raise ValueError(f"lookback days must be >= 1, got {days}")
+    end = parse_ds(ds)
+    return [(end - timedelta(days=offset)).isoformat() for offset in range(days - 1, -1, -1)]
+
+
+def partition_dir(root: str | os.PathLike, dataset: str, ds: str) -> Path:
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
+    parse_ds(ds)
+    return Path(root) / dataset / f"ds={ds}"
+
+
+def is_published(partition: str | os.PathLike) -> bool:
+    return (Path(partition) / SUCCESS_NAME).is_file()
+
+
+def read_manifest(partition: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a published partition; raises PartitionNotPublishedError when there is no marker."""
+    partition = Path(partition)
+    if not is_published(partition):
+        raise PartitionNotPublishedError(
+            f"{partition} is not published (no {SUCCESS_NAME}): run the stage that writes it for this ds "
+            "first"
+        )
+    return json.loads((partition / MANIFEST_NAME).read_text())
+
+
+def new_staging_dir(target: str | os.PathLike) -> Path:
+    """A fresh, not yet existing staging path beside ``target``; stale ones of the same ds are removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(target)
+    return target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:12]}"
+
+
+def remove_stale_staging(target: Path, older_than_s: float = STALE_STAGING_S) -> None:
+    """Leftovers of crashed runs of this ds. Recent ones are kept: they may belong to a run still writing."""
+    now = time.time()
+    for leftover in target.parent.glob(f".{target.name}.*"):
+        try:
+            if now - leftover.stat().st_mtime > older_than_s:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+
+
+def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=False, default=str)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def publish(staging: str | os.PathLike, target: str | os.PathLike, manifest: dict[str, Any]) -> Path:
+    """Writes the manifest, then ``_SUCCESS``, into ``staging`` and swaps it in as ``target``."""
+    staging, target = Path(staging), Path(target)
+    if not staging.is_dir():
+        raise FileNotFoundError(f"staging directory {staging} does not exist: nothing was written to publish")
+    for leftover in staging.glob(SUCCESS_NAME):
+        leftover.unlink()
+    write_json_atomically(staging / MANIFEST_NAME, manifest)
+    (staging / SUCCESS_NAME).write_text("")
+    retired = target.parent / f".{target.name}.retired-{uuid.uuid4().hex[:12]}"
+    had_previous = target.exists()
+    if had_previous:
+        os.rename(target, retired)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if had_previous:
+            os.rename(retired, target)
+        raise
+    if had_previous:
+        shutil.rmtree(retired, ignore_errors=True)
+    return target
+
+
+def data_files(partition: str | os.PathLike) -> list[str]:
+    """Visible data files of a partition (what Spark and pyarrow read), relative and sorted."""
+    partition = Path(partition)
+    return sorted(
+        str(p.relative_to(partition))
+        for p in partition.rglob("*")
+        if p.is_file() and not any(part.startswith(("_", ".")) for part in p.relative_to(partition).parts)
+    )
+
+
+def base_manifest(dataset: str, ds: str, row_count: int, columns: list[dict[str, str]],
+                  job: dict[str, Any]) -> dict[str, Any]:
+    """The keys every manifest has; stages add their own sections."""
+    return {
+        "dataset": dataset,
+        "ds": ds,
+        "format_version": FORMAT_VERSION,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "row_count": int(row_count),
+        "columns": columns,
+        "job": job,
+    }

@@ -1,0 +1,65 @@
+"""Batch scoring of one features partition with a TorchScript model.
+
+Usage:
+  spark-submit jobs/score_batch.py --root /var/lib/hybridflow/storage --ds 2026-01-05 \
+      --model /var/lib/hybridflow/storage/models/propensity/7/model.pt --model-version 7 [--batch-size 65536]
+
+Reads the published <root>/features/ds=<ds>/ (its _MANIFEST.json gives the feature column order), publishes
+<root>/predictions/ds=<ds>/ (customer_id, score float32, model_version) with _MANIFEST.json and _SUCCESS,
+replacing an earlier run of the same ds. Prints one `SCORING ... rows_per_s=...` line.
+Exit codes: 0 published, 2 features partition not published, 3 the model does not fit the features.
+Executors need PYSPARK_PYTHON (or spark.pyspark.python) pointing at an interpreter with torch, pandas and
+pyarrow.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from hybridjobs import scoring, storage  # noqa: E402
+from hybridjobs.spark import build_session  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--ds", required=True, type=lambda v: storage.parse_ds(v).isoformat(),
+                        help="YYYY-MM-DD")
+    parser.add_argument("--model", required=True, help="TorchScript file readable by the executors")
+    parser.add_argument("--model-version", required=True)
+    parser.add_argument("--batch-size", type=int, default=scoring.DEFAULT_BATCH_SIZE,
+                        help="rows per Arrow batch handed to the model (default %(default)s)")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.model):
+        parser.error(f"--model {args.model} is not a file")
+    if not args.model_version.strip():
+        parser.error("--model-version must not be empty")
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    spark = build_session("hybridflow-scoring")
+    try:
+        manifest = scoring.run(spark, args.root, args.ds, os.path.abspath(args.model), args.model_version,
+                               args.batch_size)
+    except storage.PartitionNotPublishedError as err:
+        print(f"SCORING FAILED ds={args.ds}: {err}", file=sys.stderr, flush=True)
+        return 2
+    except scoring.ModelContractError as err:
+        print(f"SCORING FAILED ds={args.ds}: {err}", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        spark.stop()
+    job = manifest["job"]
+    print(f"SCORING ds={args.ds} rows={manifest['row_count']} model_version={args.model_version} "
+          f"seconds={job['seconds']} rows_per_s={job['rows_per_s']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
