@@ -33,6 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--defect-weights", default=None, help="kind=weight,... (unnamed kinds weigh 1)")
     parser.add_argument("--population-seed", type=int, default=7)
     parser.add_argument("--rows-per-file", type=int, default=500_000)
+    parser.add_argument("--skip-if-published", action="store_true",
+                        help="leave an already published partition as it is (the generator is deterministic)")
     return parser.parse_args(argv)
 
 
@@ -49,6 +51,9 @@ def main(argv: list[str]) -> int:
         return 2
     started = time.monotonic()
     target = storage.partition_dir(args.root, "raw", args.ds)
+    if args.skip_if_published and storage.is_published(target):
+        print(f"RAW ds={args.ds} already published at {target}; left as it is", flush=True)
+        return 0
     staging = storage.new_staging_dir(target)
     details = generate_partition(staging, args.ds, config)
     seconds = round(time.monotonic() - started, 3)

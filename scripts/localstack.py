@@ -660,6 +660,9 @@ def start_triton() -> int:
         "--grpc-address=127.0.0.1", f"--grpc-port={STACK['triton_grpc_port']}",
         "--metrics-address=127.0.0.1", f"--metrics-port={STACK['triton_metrics_port']}",
         f"--backend-directory={backends}", "--exit-timeout-secs=10", "--log-verbose=0",
+        # A deploy whose model fails to load must not mark the whole server unready (and pull the versions
+        # that still serve out of a load balancer): readiness is judged per model by the deploy operator.
+        "--strict-readiness=false",
         f"--backend-config=python,shm-region-prefix-name=hybridflow{STACK['triton_http_port']}",
     ]
     return spawn(cmd, P.logs / "triton.log", env=triton_env())
@@ -746,6 +749,12 @@ def airflow_env() -> dict[str, str]:
         "HYBRIDFLOW_CLUSTER_JOBS_DIR": str(P.cluster_code / "jobs"),
         "HYBRIDFLOW_STATE_DIR": str(STATE),
         "PYSPARK_PYTHON": str(VENV / "bin/python"),
+        # No upstream producer here: the nightly pipeline generates the day's raw events itself.
+        "HYBRIDFLOW_SIMULATE_RAW": "true",
+        # On demand here: `make demo` triggers the nightly DAG for a date; a 2 a.m. run on a laptop is noise.
+        "HYBRIDFLOW_NIGHTLY_SCHEDULE": "none",
+        # Loopback gloo on 2 shared cores spends ~30% of a small model's step in all-reduce (pipeline.yaml).
+        "HYBRIDFLOW_MAX_ALLREDUCE_SHARE": "0.5",
         "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
     }
     for conn_id, spec in render_connections().items():
@@ -776,6 +785,14 @@ def migrate_airflow_db() -> None:
         log("migrating the Airflow metadata DB")
         airflow("db", "migrate", env=env)
         stamp.write_text(version)
+    # Pools keep a backfill from flooding the GPU partition or Spark; the DAGs name them.
+    pools = REPO / "include/config/pools.json"
+    pools_stamp = P.airflow_home / ".pools"
+    digest = hashlib.sha256(pools.read_bytes()).hexdigest()
+    if not pools_stamp.exists() or pools_stamp.read_text() != digest:
+        log("importing Airflow pools from include/config/pools.json")
+        airflow("pools", "import", str(pools), env=env)
+        pools_stamp.write_text(digest)
 
 
 def start_airflow_component(component: str) -> int:

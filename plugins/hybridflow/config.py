@@ -16,6 +16,7 @@ from typing import Any, get_type_hints
 from hybridflow.exceptions import ConfigError
 from hybridflow.paths import include_dir
 
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 ENV_REF = re.compile(r"\$\{(?P<name>[A-Z_][A-Z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
 
@@ -51,10 +52,128 @@ class PreflightConfig:
 
 
 @dataclass(frozen=True)
+class SparkConfig:
+    conn_id: str = "spark_default"
+    driver_memory: str = "1g"
+    # Cores a Spark stage holds, for CPU-hour accounting in the run report.
+    executor_cores: int = 2
+    lookback_days: int = 28
+
+    def validate(self, where: str) -> None:
+        if self.executor_cores < 1:
+            raise ConfigError(f"{where}.executor_cores: {self.executor_cores}; expected a positive integer")
+        if not re.fullmatch(r"[1-9][0-9]*[mg]", self.driver_memory):
+            raise ConfigError(f"{where}.driver_memory: {self.driver_memory!r}; expected a size such as 1g or 512m")
+
+
+@dataclass(frozen=True)
+class NightlyConfig:
+    """The nightly training pipeline: schedule, training defaults and the champion/challenger rule."""
+
+    schedule: str
+    model_name: str = "propensity"
+    # Raw events are produced upstream; the local stack simulates them (the generator) when this is true.
+    simulate_raw: bool = False
+    simulate_raw_rows: int = 50_000
+    raw_wait_timeout_min: int = 60
+    train_window_days: int = 7
+    model_preset: str = "small"
+    epochs: int = 2
+    max_steps: int = 2000
+    batch_size: int = 256
+    learning_rate: float = 0.002
+    checkpoint_every_steps: int = 100
+    gpus: int = 1
+    cpus_per_task: int = 2
+    torch_threads: int = 1
+    time_limit_min: int = 60
+    # A challenger replaces the champion only when its holdout AUC is higher by at least this much.
+    min_auc_gain: float = 0.002
+    min_gpu_utilization_pct: float = 40.0
+    fail_on_low_utilization: bool = False
+    max_active_runs: int = 3
+
+    @property
+    def cron(self) -> str | None:
+        """The DAG's schedule: None when the schedule is "none" (triggered on demand only)."""
+        return None if self.schedule.strip().lower() in ("", "none") else self.schedule
+
+    def validate(self, where: str) -> None:
+        if not MODEL_NAME.fullmatch(self.model_name):
+            raise ConfigError(f"{where}.model_name: {self.model_name!r}; use letters, digits, '_', '-' (1-64)")
+        for key in ("simulate_raw_rows", "raw_wait_timeout_min", "train_window_days", "epochs", "max_steps",
+                    "batch_size", "checkpoint_every_steps", "gpus", "cpus_per_task", "torch_threads", "time_limit_min",
+                    "max_active_runs"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive integer")
+        if not 0 <= self.min_auc_gain < 1:
+            raise ConfigError(f"{where}.min_auc_gain: {self.min_auc_gain}; expected a value in [0, 1)")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"{where}.learning_rate: {self.learning_rate}; expected a positive number")
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Prices for the run report's cost figures (USD per hour)."""
+
+    gpu_hour_usd: float = 4.0
+    cpu_hour_usd: float = 0.05
+    serving_hour_usd: float = 1.2
+
+    def validate(self, where: str) -> None:
+        for key in ("gpu_hour_usd", "cpu_hour_usd", "serving_hour_usd"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{where}.{key}: {getattr(self, key)}; a price cannot be negative")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The realtime model on Triton and the gate a new version passes before it is promoted."""
+
+    model_name: str
+    repository: str
+    triton_conn_id: str = "triton_default"
+    storage_conn_id: str = "storage_s3"
+    backend: str = "python"
+    instance_count: int = 1
+    max_batch_size: int = 256
+    max_queue_delay_us: int = 100
+    slo_p99_ms: float = 50.0
+    gate_concurrency: int = 4
+    gate_requests: int = 400
+    readiness_timeout_s: float = 300.0
+
+    def validate(self, where: str) -> None:
+        from hybridflow.utils.triton import BACKENDS, MODEL_NAME_RE, Repository
+
+        if not MODEL_NAME_RE.match(self.model_name):
+            raise ConfigError(f"{where}.model_name: {self.model_name!r}; use letters, digits, '_', '.', '-'")
+        try:
+            Repository.parse(self.repository)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.repository: {exc}") from None
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"{where}.backend: {self.backend!r}; choose {' or '.join(BACKENDS)} "
+                              "(python on CPU servers, pytorch_libtorch on GPU servers)")
+        for key in ("instance_count", "max_batch_size", "gate_concurrency", "gate_requests"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive integer")
+        if self.max_queue_delay_us < 0:
+            raise ConfigError(f"{where}.max_queue_delay_us: {self.max_queue_delay_us}; expected >= 0")
+        for key in ("slo_p99_ms", "readiness_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive number")
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     cluster: ClusterConfig
     storage: StorageConfig
     preflight: PreflightConfig
+    serving: ServingConfig
+    spark: SparkConfig
+    nightly: NightlyConfig
+    costs: CostConfig
 
 
 def expand_env(value: str, where: str) -> str:
@@ -67,6 +186,18 @@ def expand_env(value: str, where: str) -> str:
         return default
 
     return ENV_REF.sub(replace, value)
+
+
+def from_environment(value: str, expected: type) -> Any:
+    """An environment value is text: read it as the bool or number the key expects (else leave it to fail)."""
+    if expected is bool and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if expected in (int, float):
+        try:
+            return expected(value)
+        except ValueError:
+            return value
+    return value
 
 
 def build(cls: type, data: Any, where: str):
@@ -89,8 +220,8 @@ def build(cls: type, data: Any, where: str):
         if isinstance(expected, type) and expected.__module__ == __name__:
             values[f.name] = build(expected, value, key)
             continue
-        if isinstance(value, str):
-            value = expand_env(value, key)
+        if isinstance(value, str) and ENV_REF.search(value):
+            value = from_environment(expand_env(value, key), expected)
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):

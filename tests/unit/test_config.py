@@ -57,6 +57,13 @@ def mutate(path: str, value):
         ("preflight.procs", 1, "an all-reduce needs at least 2 processes"),
         ("storage", "/data", "pipeline.storage: expected a mapping, got str"),
         ("storage.root", "${NOT_SET_ANYWHERE}", "environment variable NOT_SET_ANYWHERE is not set"),
+        ("nightly.model_name", "bad name;rm", "pipeline.nightly.model_name: 'bad name;rm'"),
+        ("nightly.min_auc_gain", 1.5, "pipeline.nightly.min_auc_gain: 1.5; expected a value in [0, 1)"),
+        ("nightly.gpus", 0, "pipeline.nightly.gpus: 0; expected a positive integer"),
+        ("nightly.simulate_raw", "yes", "pipeline.nightly.simulate_raw: expected bool, got str 'yes'"),
+        ("nightly.simulate_raw_rows", "${ROWS_FROM_ENV:-many}", "simulate_raw_rows: expected int, got str 'many'"),
+        ("spark.driver_memory", "lots", "pipeline.spark.driver_memory: 'lots'; expected a size such as 1g"),
+        ("costs.gpu_hour_usd", -1, "pipeline.costs.gpu_hour_usd: -1.0; a price cannot be negative"),
     ],
 )
 def test_config_mistakes_name_file_key_and_type(tmp_path, path, value, message):
@@ -72,3 +79,18 @@ def test_config_unreadable_yaml_names_the_file(tmp_path):
     bad.write_text("cluster: [unclosed\n")
     with pytest.raises(ConfigError, match=str(bad)):
         load_pipeline_config(bad)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [({"HYBRIDFLOW_SIMULATE_RAW": "true", "HYBRIDFLOW_SIMULATE_RAW_ROWS": "1234"}, (True, 1234)),
+     ({"HYBRIDFLOW_SIMULATE_RAW": "False"}, (False, 200_000)),
+     ({}, (False, 200_000))],
+)
+def test_config_env_values_take_the_type_the_key_expects(tmp_path, monkeypatch, env, expected):
+    for name in ("HYBRIDFLOW_SIMULATE_RAW", "HYBRIDFLOW_SIMULATE_RAW_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    nightly = load_pipeline_config(write(tmp_path, GOOD)).nightly
+    assert (nightly.simulate_raw, nightly.simulate_raw_rows) == expected

@@ -43,7 +43,8 @@ class SlurmSubmitOperator(BaseOperator):
     :param deferrable: wait in the triggerer (default) instead of holding a worker slot.
     """
 
-    template_fields: Sequence[str] = ("command", "partition", "log_dir", "progress_path", "env", "time_limit")
+    template_fields: Sequence[str] = ("command", "partition", "log_dir", "progress_path", "env", "time_limit",
+                                      "gpus_per_node")
     template_fields_renderers = {"env": "json"}
     ui_color = "#d9e7ff"
 
@@ -55,7 +56,7 @@ class SlurmSubmitOperator(BaseOperator):
         log_dir: str,
         ssh_conn_id: str = "slurm_ssh",
         nodes: int = 1,
-        gpus_per_node: int = 0,
+        gpus_per_node: int | str = 0,
         gpu_type: str | None = None,
         cpus_per_task: int = 1,
         mem: str | None = None,
@@ -122,7 +123,7 @@ class SlurmSubmitOperator(BaseOperator):
         time_limit = int(self.time_limit) if str(self.time_limit).isdigit() else self.time_limit
         return SlurmJobSpec(
             job_name=name, partition=self.partition, command=self.command, nodes=self.nodes,
-            gpus_per_node=self.gpus_per_node, gpu_type=self.gpu_type, cpus_per_task=self.cpus_per_task,
+            gpus_per_node=int(self.gpus_per_node), gpu_type=self.gpu_type, cpus_per_task=self.cpus_per_task,
             mem=self.mem, time_limit=time_limit, account=self.account, qos=self.qos, constraint=self.constraint,
             signal=self.signal, requeue=self.requeue, output=f"{self.log_dir}/%x-%j.out",
             error=f"{self.log_dir}/%x-%j.err", setup_lines=self.setup_lines, env=self.env,

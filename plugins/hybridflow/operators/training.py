@@ -36,7 +36,8 @@ class DeepSpeedTrainingOperator(SlurmSubmitOperator):
     the allocation, mean utilization from the job's own samples. Below ``min_gpu_utilization_pct`` it warns, or
     fails when ``fail_on_low_utilization``. A retry resumes from the newest complete checkpoint in ``run_dir``.
 
-    :param run_config: the training run config (templated); see jobs/hybridtrain/config.py.
+    :param run_config: the training run config, a mapping or its JSON text (templated, so it can come from an
+        upstream task's XCom); see jobs/hybridtrain/config.py.
     :param run_dir: the run's directory on the cluster's filesystem (templated).
     :param python: the cluster's job interpreter; ``jobs_dir`` where jobs/ is deployed there.
     """
@@ -44,20 +45,23 @@ class DeepSpeedTrainingOperator(SlurmSubmitOperator):
     template_fields: Sequence[str] = (*SlurmSubmitOperator.template_fields, "run_config", "run_dir")
     template_fields_renderers = {**SlurmSubmitOperator.template_fields_renderers, "run_config": "json"}
 
-    def __init__(self, *, run_config: Mapping[str, Any], run_dir: str, python: str, jobs_dir: str,
+    def __init__(self, *, run_config: Mapping[str, Any] | str, run_dir: str, python: str, jobs_dir: str,
                  min_gpu_utilization_pct: float = 40.0, fail_on_low_utilization: bool = False, **kwargs):
         kwargs.setdefault("log_dir", f"{run_dir}/logs")
         kwargs.setdefault("progress_path", f"{run_dir}/progress.json")
         super().__init__(command=[python, f"{jobs_dir}/train.py", "--config", f"{run_dir}/config.json"], **kwargs)
-        self.run_config = dict(run_config)
+        self.run_config = run_config if isinstance(run_config, str) else dict(run_config)
         self.run_dir = run_dir
         self.min_gpu_utilization_pct = min_gpu_utilization_pct
         self.fail_on_low_utilization = fail_on_low_utilization
 
     def execute(self, context: Context) -> dict:
+        run_config = json.loads(self.run_config) if isinstance(self.run_config, str) else self.run_config
+        if not isinstance(run_config, dict):
+            raise TypeError(f"run_config must be a JSON object, got {type(run_config).__name__}")
         self.hook.run(["mkdir", "-p", "--", self.run_dir])
         self.hook.write_text(f"{self.run_dir}/config.json",
-                             json.dumps({**self.run_config, "run_dir": self.run_dir}, indent=2, sort_keys=True))
+                             json.dumps({**run_config, "run_dir": self.run_dir}, indent=2, sort_keys=True))
         return super().execute(context)
 
     def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:

@@ -1,0 +1,249 @@
+"""
+### Nightly training pipeline
+
+One day's data through the whole estate: raw events -> **features** (Spark) -> **quality** gate -> **capacity**
+gate (free GPUs) -> **training** (DeepSpeed on the Slurm GPU partition, deferrable, resumable) -> **checkpoint**
+gate -> **evaluation** (challenger vs the model of record on the same holdout; promote only when better by the
+configured margin) -> **scoring** (Spark, with the model of record) -> **deploy** (Triton: readiness, smoke test,
+latency gate, promote or roll back) -> **report** (HTML + JSON: volumes, quality, loss curve, GPU-hours,
+utilization, cost, latency).
+
+- Scheduled nightly; reruns of a date replace its outputs, never duplicate them.
+- Backfills (`airflow backfill create` or the UI) recompute features and re-score history with the model of record;
+  they train or deploy only with `train=always` / `deploy=always`. Pools `spark` and `gpu_training` keep a
+  backfill from flooding Spark or the GPU partition.
+- `dry_run=true` plans the run (what would train, on which partitions) and runs nothing.
+
+Runbooks: `include/runbooks/<stage>.md` for each stage (features, data-quality, capacity, training, evaluation,
+scoring, deploy, report, backfill).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.sdk import DAG, Asset, Param, TaskGroup, task
+
+from hybridflow.config import pipeline_config
+from hybridflow.dag_defaults import DEFAULT_ARGS
+from hybridflow.operators.training import DeepSpeedTrainingOperator
+from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.paths import jobs_dir
+from hybridflow.sensors.checkpoint import CheckpointSensor
+from hybridflow.sensors.slurm import SlurmCapacitySensor
+
+config = pipeline_config()
+cfg, root, cluster = config.nightly, config.storage.root, config.cluster
+FEATURES = Asset(name="hybridflow_features", uri=f"file://{root}/features")
+MODEL = Asset(name="hybridflow_model_of_record", uri=f"file://{root}/models/{cfg.model_name}")
+PREDICTIONS = Asset(name="hybridflow_predictions", uri=f"file://{root}/predictions")
+
+
+def prepared_value(key: str, suffix: str = "") -> str:
+    """A template for one field of training.prepare's result (a dict field renders as JSON)."""
+    return "{{ ti.xcom_pull(task_ids='training.prepare')['%s'] | tojson }}%s" % (key, suffix) if key == "run_config" \
+        else "{{ ti.xcom_pull(task_ids='training.prepare')['%s'] }}%s" % (key, suffix)
+
+
+SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
+              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}
+
+with DAG(
+    dag_id="nightly_training",
+    schedule=cfg.cron,
+    start_date=datetime(2026, 1, 1),
+    catchup=False,
+    max_active_runs=cfg.max_active_runs,
+    default_args=DEFAULT_ARGS,
+    tags=["pipeline", "training", "gpu", "spark", "serving"],
+    doc_md=__doc__,
+    params={
+        "train": Param("auto", type="string", enum=["auto", "always", "never"],
+                       description="auto: train on scheduled and manual runs, not in backfills; always; never."),
+        "deploy": Param("auto", type="string", enum=["auto", "always", "never"],
+                        description="auto: deploy when this run promotes a model or the server lacks the model of "
+                                    "record (never in backfills); always: redeploy the model of record; never."),
+        "model_preset": Param(cfg.model_preset, type="string", enum=["tiny", "small", "large"],
+                              description="Network size from include/config/model_presets.json."),
+        "gpus": Param(cfg.gpus, type="integer", minimum=1, maximum=8, description="GPUs for the training job."),
+        "epochs": Param(cfg.epochs, type="integer", minimum=1, maximum=100,
+                        description="Training epochs over the window (max_steps ends training earlier)."),
+        "max_steps": Param(cfg.max_steps, type="integer", minimum=1, maximum=1_000_000,
+                           description="Upper bound on optimizer steps."),
+        "train_window_days": Param(cfg.train_window_days, type="integer", minimum=1, maximum=90,
+                                   description="Days of published features, ending at the run's date, to train on."),
+        "dry_run": Param(False, type="boolean", description="Plan the run and log it; run nothing."),
+    },
+):
+
+    @task
+    def plan(params=None, dag_run=None, ds=None) -> dict:
+        from hybridflow.utils.nightly import plan_run
+
+        decided = plan_run(dag_run.run_type, params, ds)
+        print(f"Plan for ds={ds}: {decided.reason}; train={decided.train}, deploy={decided.deploy_mode}")
+        if decided.dry_run:
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            raise AirflowSkipException(f"dry run: {decided.as_dict()}")
+        return decided.as_dict()
+
+    with TaskGroup("preflight", tooltip="raw data present; interconnect fit for training") as preflight:
+
+        @task
+        def simulate_raw_events(ds=None) -> str:
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            from hybridflow.nightly import simulate_raw_events
+
+            if not config.nightly.simulate_raw:
+                raise AirflowSkipException("raw events come from upstream (nightly.simulate_raw is off)")
+            return simulate_raw_events(config, ds)
+
+        @task.sensor(poke_interval=60, timeout=cfg.raw_wait_timeout_min * 60, mode="reschedule",
+                     trigger_rule="none_failed_min_one_success")
+        def raw_events_published(ds=None) -> bool:
+            from hybridflow.nightly import raw_is_published
+
+            return raw_is_published(config, ds)
+
+        @task
+        def allreduce_preflight(run_plan: dict) -> str:
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            from hybridflow.preflight import check_latest_preflight
+
+            if not run_plan["train"]:
+                raise AirflowSkipException("this run does not train")
+            return check_latest_preflight(config)
+
+        run_plan = plan()
+        raw_ready = raw_events_published()
+        run_plan >> simulate_raw_events() >> raw_ready
+        run_plan >> raw_ready
+        preflight_ok = allreduce_preflight(run_plan)
+
+    with TaskGroup("features", tooltip="Spark: raw events -> per-customer features, quarantine") as features:
+        build_features = SparkSubmitOperator(
+            task_id="build_features",
+            conn_id=config.spark.conn_id,
+            application=str(jobs_dir() / "build_features.py"),
+            application_args=["--root", root, "--ds", "{{ ds }}", "--lookback-days", str(config.spark.lookback_days)],
+            name="features-{{ ds }}",
+            driver_memory=config.spark.driver_memory,
+            conf=SPARK_CONF,
+            pool="spark",
+            outlets=[FEATURES],
+            doc_md="Runbook: include/runbooks/features.md",
+        )
+
+    with TaskGroup("quality", tooltip="schema, row count, nulls, quarantine ratio") as quality:
+
+        @task
+        def quality_gate(ds=None) -> dict:
+            from hybridflow.nightly import quality_gate
+
+            return quality_gate(config, ds)
+
+        gate = quality_gate()
+
+    with TaskGroup("capacity", tooltip="free GPUs in the partition") as capacity:
+        wait_for_gpus = SlurmCapacitySensor(
+            task_id="wait_for_gpus", partition=cluster.partition, gpus_per_node="{{ params.gpus }}",
+            ssh_conn_id=cluster.ssh_conn_id, deferrable=True, poke_interval=15, timeout=6 * 3600,
+        )
+
+    with TaskGroup("training", tooltip="DeepSpeed on the Slurm GPU partition") as training:
+
+        @task
+        def prepare(params=None, ds=None, run_id=None) -> dict:
+            from hybridflow.nightly import prepare_training
+
+            return prepare_training(config, ds, run_id, params)
+
+        prepared = prepare()
+        train = DeepSpeedTrainingOperator(
+            task_id="train",
+            run_config=prepared_value("run_config"),
+            run_dir=prepared_value("run_dir"),
+            python=cluster.python,
+            jobs_dir=cluster.jobs_dir,
+            partition=cluster.partition,
+            gpus_per_node="{{ params.gpus }}",
+            cpus_per_task=cfg.cpus_per_task,
+            time_limit=cfg.time_limit_min,
+            max_requeues=cluster.max_requeues,
+            poll_interval_s=cluster.poll_interval_s,
+            ssh_conn_id=cluster.ssh_conn_id,
+            min_gpu_utilization_pct=cfg.min_gpu_utilization_pct,
+            fail_on_low_utilization=cfg.fail_on_low_utilization,
+            pool="gpu_training",
+            execution_timeout=timedelta(minutes=cfg.time_limit_min * (cluster.max_requeues + 1)),
+            runbook="include/runbooks/training.md",
+        )
+        prepared >> train
+
+    with TaskGroup("checkpoint", tooltip="a complete checkpoint, manifest verified") as checkpoint:
+        verified = CheckpointSensor(
+            task_id="verified_checkpoint",
+            checkpoint_root=prepared_value("run_dir", "/checkpoints"),
+            min_step="{{ ti.xcom_pull(task_ids='training.train')['metrics']['step'] }}",
+            ssh_conn_id=cluster.ssh_conn_id, mode="poke", poke_interval=10, timeout=600,
+        )
+
+    with TaskGroup("evaluation", tooltip="challenger vs champion on the same holdout") as evaluation:
+        evaluate = SlurmSubmitOperator(
+            task_id="evaluate",
+            command=[cluster.python, f"{cluster.jobs_dir}/evaluate.py",
+                     "--features-root", f"{root}/features",
+                     "--ds", prepared_value("train_ds"),
+                     "--challenger", prepared_value("run_dir", "/export/model.pt"),
+                     "--champion", prepared_value("champion_model"),
+                     "--out", prepared_value("run_dir", "/evaluation.json")],
+            partition="cpu", cpus_per_task=1, time_limit=15, requeue=False, signal=None,
+            log_dir=prepared_value("run_dir", "/logs"),
+            ssh_conn_id=cluster.ssh_conn_id, poll_interval_s=3,
+            runbook="include/runbooks/evaluation.md",
+        )
+
+        @task(outlets=[MODEL])
+        def champion_challenger(prepared_run: dict, ds=None, run_id=None) -> dict:
+            from hybridflow.nightly import decide_and_publish
+
+            decision = decide_and_publish(config, prepared_run, ds, run_id)
+            print(decision["reason"])
+            return decision
+
+        decision = champion_challenger(prepared)
+
+    with TaskGroup("scoring", tooltip="Spark batch scoring with the model of record") as scoring:
+
+        @task(trigger_rule="none_failed_min_one_success")
+        def model_of_record() -> dict:
+            from hybridflow.nightly import model_of_record
+
+            return model_of_record(config)
+
+        champion = model_of_record()
+        score = SparkSubmitOperator(
+            task_id="score_batch",
+            conn_id=config.spark.conn_id,
+            application=str(jobs_dir() / "score_batch.py"),
+            application_args=["--root", root, "--ds", "{{ ds }}",
+                              "--model", "{{ ti.xcom_pull(task_ids='scoring.model_of_record')['model_path'] }}",
+                              "--model-version", "{{ ti.xcom_pull(task_ids='scoring.model_of_record')['version'] }}"],
+            name="scoring-{{ ds }}",
+            driver_memory=config.spark.driver_memory,
+            conf=SPARK_CONF,
+            pool="spark",
+            outlets=[PREDICTIONS],
+            doc_md="Runbook: include/runbooks/scoring.md",
+        )
+        champion >> score
+
+    # Wiring. Training hangs off the quality gate; scoring waits for the decision when there is one.
+    raw_ready >> build_features >> gate
+    [gate, preflight_ok] >> wait_for_gpus >> prepared
+    train >> verified >> evaluate >> decision
+    [gate, decision] >> champion

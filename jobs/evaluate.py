@@ -1,0 +1,98 @@
+"""Champion/challenger evaluation: both exported TorchScript models scored on the same holdout rows.
+
+Usage: python jobs/evaluate.py --features-root ROOT --ds 2026-01-01,2026-01-02 --challenger run/export/model.pt
+       [--champion models/propensity/v3/model.pt] [--holdout-fraction 0.2] --out eval.json
+
+The holdout is the training job's own split (a stable hash of customer_id), so a customer the challenger trained
+on never counts; the champion is scored on exactly the same rows, which makes the two AUCs comparable. Runs on
+the cluster's CPU partition with torch, numpy and pyarrow; never imports Airflow.
+Exit codes: 0 written, 2 bad input (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from hybridtrain.checkpoints import write_json_atomic  # noqa: E402
+from hybridtrain.errors import FeatureDataError  # noqa: E402
+from hybridtrain.evaluation import log_loss, roc_auc  # noqa: E402
+from hybridtrain.features import holdout_mask, read_feature_partitions  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--features-root", required=True)
+    parser.add_argument("--ds", required=True, help="comma-separated feature partitions, YYYY-MM-DD")
+    parser.add_argument("--challenger", required=True, help="the new model's TorchScript file")
+    parser.add_argument("--champion", default=None, help="the model of record's TorchScript file, if any")
+    parser.add_argument("--holdout-fraction", type=float, default=0.2)
+    parser.add_argument("--out", required=True, help="where to write the JSON result")
+    return parser.parse_args(argv)
+
+
+def score(model_path: str, features: np.ndarray) -> np.ndarray:
+    model = torch.jit.load(model_path, map_location="cpu").eval()
+    with torch.inference_mode():
+        return model(torch.from_numpy(features)).reshape(-1).numpy().astype(np.float64)
+
+
+def metrics(labels: np.ndarray, probabilities: np.ndarray) -> dict:
+    return {"auc": roc_auc(labels, probabilities), "log_loss": log_loss(labels, probabilities)}
+
+
+def evaluate(features_root: str, ds: tuple[str, ...], challenger: str, champion: str | None,
+             holdout_fraction: float) -> dict:
+    data = read_feature_partitions(features_root, ds)
+    mask = holdout_mask(data.customer_ids, holdout_fraction)
+    if not mask.any():
+        raise FeatureDataError(f"no holdout rows in {list(ds)} at holdout_fraction {holdout_fraction}")
+    features, labels = np.ascontiguousarray(data.features[mask]), data.labels[mask]
+    result = {
+        "ds": list(ds),
+        "holdout_rows": int(mask.sum()),
+        "holdout_positive_rate": round(float(labels.mean()), 6),
+        "challenger": {"model": challenger, **metrics(labels, score(challenger, features))},
+        "champion": None,
+    }
+    if champion:
+        result["champion"] = {"model": champion, **metrics(labels, score(champion, features))}
+    return result
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    ds = tuple(d for d in args.ds.split(",") if d)
+    if not ds:
+        print("EVALUATE FAILED: --ds lists no partition", file=sys.stderr)
+        return 2
+    if not 0 < args.holdout_fraction < 1:
+        print(f"EVALUATE FAILED: --holdout-fraction {args.holdout_fraction} must be between 0 and 1", file=sys.stderr)
+        return 2
+    for flag, path in (("--challenger", args.challenger), ("--champion", args.champion)):
+        if path and not os.path.isfile(path):
+            print(f"EVALUATE FAILED: {flag} {path} does not exist", file=sys.stderr)
+            return 2
+    torch.set_num_threads(int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
+    started = time.monotonic()
+    try:
+        result = evaluate(args.features_root, ds, args.challenger, args.champion, args.holdout_fraction)
+    except FeatureDataError as error:
+        print(f"EVALUATE FAILED: {error}", file=sys.stderr)
+        return 2
+    result["seconds"] = round(time.monotonic() - started, 3)
+    write_json_atomic(Path(args.out), result)
+    print(f"EVALUATE {json.dumps(result, sort_keys=True)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

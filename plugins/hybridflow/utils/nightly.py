@@ -1,0 +1,127 @@
+"""Pure decisions of the nightly pipeline: what a run does (train? deploy?), which partitions it trains on, and
+the figures its report shows. The DAG's tasks feed them what they read; nothing here touches I/O."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from datetime import date, timedelta
+from typing import Any
+
+MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    ds: str
+    train: bool
+    deploy_mode: str
+    dry_run: bool
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_run(run_type: str, params: Mapping[str, Any], ds: str) -> RunPlan:
+    """``train=auto`` trains on scheduled and manual runs, not in a backfill (a backfill recomputes features and
+    re-scores history with the model of record). ``deploy`` is decided after evaluation (see should_deploy)."""
+    train_mode, deploy_mode = params.get("train", "auto"), params.get("deploy", "auto")
+    for name, mode in (("train", train_mode), ("deploy", deploy_mode)):
+        if mode not in MODES:
+            raise ValueError(f"param {name}={mode!r}: choose one of {', '.join(MODES)}")
+    backfill = run_type == "backfill"
+    train = train_mode == "always" or (train_mode == "auto" and not backfill)
+    if train_mode == "auto":
+        reason = ("backfill run: features and scores with the model of record, no training (set train=always "
+                  "to retrain)") if backfill else f"{run_type} run: train a challenger"
+    else:
+        reason = f"train={train_mode} requested"
+    if deploy_mode == "auto" and backfill:
+        deploy_mode = "never"
+        reason += "; a backfill never redeploys unless deploy=always"
+    return RunPlan(ds=ds, train=train, deploy_mode=deploy_mode, dry_run=bool(params.get("dry_run", False)),
+                   reason=reason)
+
+
+def training_window(ds: str, window_days: int, published: Iterable[str]) -> list[str]:
+    """The published feature partitions of the ``window_days`` days ending at ``ds`` (which must be one)."""
+    end = date.fromisoformat(ds)
+    start = (end - timedelta(days=window_days - 1)).isoformat()
+    chosen = sorted(d for d in set(published) if start <= d <= ds)
+    if ds not in chosen:
+        raise ValueError(f"features/ds={ds} is not published: the features stage must run first")
+    return chosen
+
+
+def run_key(run_id: str) -> str:
+    """A run id as one safe path segment (Airflow's contain ':' and '+')."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_.") or "run"
+
+
+def should_deploy(mode: str, promoted_version: int | None, champion_version: int | None,
+                  serving_versions: Iterable[int]) -> tuple[bool, str]:
+    """``auto`` deploys a model promoted by this run, or the champion when the server does not serve it."""
+    serving = sorted(set(serving_versions))
+    if champion_version is None:
+        return False, "no model of record to deploy"
+    if mode == "never":
+        return False, "deploy=never"
+    if mode == "always":
+        return True, f"deploy=always: deploying champion v{champion_version}"
+    if promoted_version is not None:
+        return True, f"v{promoted_version} was promoted by this run"
+    if not serving:
+        return True, f"the server serves no version; deploying champion v{champion_version}"
+    return False, f"the champion v{champion_version} is unchanged (the server has {serving})"
+
+
+def features_figures(manifest: Mapping[str, Any] | None, executor_cores: int) -> dict[str, Any] | None:
+    if not manifest:
+        return None
+    quarantine, source = manifest.get("quarantine") or {}, manifest.get("input") or {}
+    return {
+        "raw_rows": source.get("raw_rows"),
+        "feature_rows": manifest.get("row_count"),
+        "quarantined_rows": quarantine.get("rows"),
+        "quarantine_ratio": quarantine.get("ratio"),
+        "customers": manifest.get("row_count"),
+        "wall_s": (manifest.get("job") or {}).get("seconds"),
+        "executor_cores": executor_cores,
+    }
+
+
+def scoring_figures(manifest: Mapping[str, Any] | None, executor_cores: int) -> dict[str, Any] | None:
+    if not manifest:
+        return None
+    job = manifest.get("job") or {}
+    return {
+        "rows": manifest.get("row_count"),
+        "wall_s": job.get("seconds"),
+        "rows_per_s": job.get("rows_per_s"),
+        "model_version": (manifest.get("model") or {}).get("version"),
+        "executor_cores": executor_cores,
+    }
+
+
+def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """From the training task's return value and the job's metrics.json (None when the run did not train)."""
+    if not result:
+        return None
+    summary, utilization, metrics = result.get("metrics") or {}, result.get("utilization") or {}, metrics or {}
+    gpus = (result.get("alloc_tres") or {}).get("gres/gpu")
+    return {
+        "job_id": result.get("job_id"),
+        "state": result.get("state"),
+        "elapsed_s": result.get("elapsed_s"),
+        "gpus": int(gpus) if gpus is not None else None,
+        "gpu_hours": utilization.get("gpu_hours"),
+        "mean_gpu_utilization_pct": utilization.get("mean_utilization_pct"),
+        "restarts": summary.get("restarts"),
+        "train_rows_processed": summary.get("train_rows_processed"),
+        "auc": summary.get("auc"),
+        "log_loss": summary.get("log_loss"),
+        "step": summary.get("step"),
+        "loss_curve": metrics.get("loss_curve"),
+    }

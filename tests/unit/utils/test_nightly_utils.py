@@ -1,0 +1,120 @@
+"""The nightly pipeline's decisions: what a run does, what it trains on, when it deploys, what it reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.utils.champion import FIRST_MODEL, KEEP_CHAMPION, PROMOTE, decide
+from hybridflow.utils.nightly import (
+    features_figures,
+    plan_run,
+    run_key,
+    should_deploy,
+    training_figures,
+    training_window,
+)
+
+
+@pytest.mark.parametrize(
+    "run_type, params, train, deploy",
+    [
+        ("scheduled", {}, True, "auto"),
+        ("manual", {"train": "auto"}, True, "auto"),
+        ("backfill", {}, False, "never"),
+        ("backfill", {"train": "always"}, True, "never"),
+        ("backfill", {"deploy": "always"}, False, "always"),
+        ("scheduled", {"train": "never", "deploy": "never"}, False, "never"),
+    ],
+)
+def test_plan_run_trains_except_in_backfills_unless_asked(run_type, params, train, deploy):
+    plan = plan_run(run_type, params, "2026-03-04")
+    assert (plan.train, plan.deploy_mode) == (train, deploy)
+    assert plan.reason
+
+
+def test_plan_run_refuses_an_unknown_mode_naming_the_param():
+    with pytest.raises(ValueError, match=r"param train='sometimes': choose one of auto, always, never"):
+        plan_run("manual", {"train": "sometimes"}, "2026-03-04")
+
+
+@pytest.mark.parametrize(
+    "ds, days, published, expected",
+    [
+        ("2026-03-04", 7, ["2026-03-04"], ["2026-03-04"]),
+        ("2026-03-04", 2, ["2026-03-02", "2026-03-03", "2026-03-04", "2026-03-05"], ["2026-03-03", "2026-03-04"]),
+        ("2026-03-01", 3, ["2026-02-27", "2026-02-28", "2026-03-01"], ["2026-02-27", "2026-02-28", "2026-03-01"]),
+    ],
+)
+def test_training_window_takes_published_days_ending_at_ds(ds, days, published, expected):
+    assert training_window(ds, days, published) == expected
+
+
+def test_training_window_requires_the_runs_own_partition():
+    with pytest.raises(ValueError, match="features/ds=2026-03-04 is not published"):
+        training_window("2026-03-04", 7, ["2026-03-03"])
+
+
+@pytest.mark.parametrize(
+    "run_id, key",
+    [("scheduled__2026-03-04T02:00:00+00:00", "scheduled__2026-03-04T02_00_00_00_00"),
+     ("../../etc", "etc"), ("a b;c", "a_b_c"), ("", "run")],
+)
+def test_run_key_is_one_safe_path_segment(run_id, key):
+    assert run_key(run_id) == key
+
+
+@pytest.mark.parametrize(
+    "mode, promoted, champion, serving, deploy",
+    [
+        ("auto", 3, 3, [2], True),
+        ("auto", None, 3, [3], False),
+        ("auto", None, 3, [], True),
+        ("auto", None, None, [], False),
+        ("never", 3, 3, [], False),
+        ("always", None, 3, [3], True),
+    ],
+)
+def test_should_deploy(mode, promoted, champion, serving, deploy):
+    decision, reason = should_deploy(mode, promoted, champion, serving)
+    assert decision is deploy and reason
+
+
+def evaluation(challenger_auc, champion_auc=None, rows=500):
+    return {"holdout_rows": rows, "challenger": {"auc": challenger_auc, "log_loss": 0.4},
+            "champion": None if champion_auc is None else {"auc": champion_auc, "log_loss": 0.45}}
+
+
+@pytest.mark.parametrize(
+    "result, margin, decision",
+    [
+        (evaluation(0.80), 0.002, FIRST_MODEL),
+        (evaluation(0.80, 0.79), 0.002, PROMOTE),
+        (evaluation(0.791, 0.79), 0.002, KEEP_CHAMPION),
+        (evaluation(0.792, 0.79), 0.002, PROMOTE),
+        (evaluation(0.70, 0.79), 0.0, KEEP_CHAMPION),
+        (evaluation(None, 0.79), 0.0, KEEP_CHAMPION),
+        (evaluation(0.7, None) | {"champion": {"auc": None, "log_loss": None}}, 0.0, PROMOTE),
+    ],
+)
+def test_champion_challenger_promotes_only_when_better_by_the_margin(result, margin, decision):
+    outcome = decide(result, margin, champion_version=4)
+    assert outcome.decision == decision
+    assert outcome.promotes is (decision != KEEP_CHAMPION)
+
+
+def test_champion_challenger_reason_names_both_figures_and_the_margin():
+    reason = decide(evaluation(0.7912, 0.79), 0.002, champion_version=4).reason
+    assert "0.7912" in reason and "v4" in reason and "0.7900" in reason and "margin 0.0020" in reason
+
+
+def test_figures_say_none_rather_than_inventing_values():
+    assert features_figures(None, 2) is None
+    assert training_figures(None, None) is None
+    figures = training_figures({"job_id": "7", "alloc_tres": {"gres/gpu": "1"}, "metrics": {"auc": 0.8},
+                                "utilization": {"gpu_hours": 0.01, "mean_utilization_pct": None}}, None)
+    assert figures["gpus"] == 1 and figures["mean_gpu_utilization_pct"] is None and figures["loss_curve"] is None
+    manifest = {"row_count": 90, "quarantine": {"rows": 10, "ratio": 0.1}, "input": {"raw_rows": 100},
+                "job": {"seconds": 4.5}}
+    assert features_figures(manifest, 2) == {"raw_rows": 100, "feature_rows": 90, "quarantined_rows": 10,
+                                             "quarantine_ratio": 0.1, "customers": 90, "wall_s": 4.5,
+                                             "executor_cores": 2}
