@@ -64,11 +64,12 @@ def local_api() -> AirflowApi:
     return AirflowApi(env["AIRFLOW__API__BASE_URL"], "admin", password)
 
 
-def trigger(api: AirflowApi, dag_id: str, conf: dict) -> str:
-    """Unpause the DAG and start a run; returns its run id."""
+def trigger(api: AirflowApi, dag_id: str, conf: dict, logical_date: str | None = None) -> str:
+    """Unpause the DAG and start a run (for ``logical_date`` when given); returns its run id."""
     wait_for_dag(api, dag_id)
     api.patch(f"/api/v2/dags/{dag_id}", {"is_paused": False})
-    return api.post(f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf})["dag_run_id"]
+    body = {"logical_date": logical_date, "conf": conf}
+    return api.post(f"/api/v2/dags/{dag_id}/dagRuns", body)["dag_run_id"]
 
 
 def wait_for_run(api: AirflowApi, dag_id: str, run_id: str, timeout_s: float, poll_s: float = 1.0) -> str:

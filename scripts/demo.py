@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
-"""Trigger a DAG on the running local Airflow through its REST API and follow it to the end.
+"""Run the nightly pipeline for a date on the running local Airflow, through its REST API, and summarise it.
 
-    .venv/bin/python scripts/demo.py [--dag DAG_ID] [--conf JSON] [--timeout SECONDS]
+    .venv/bin/python scripts/demo.py [--ds YYYY-MM-DD] [--conf JSON] [--timeout SECONDS]
+    .venv/bin/python scripts/demo.py --dag platform_healthcheck
 
-Prints one line per task state change and a summary; exits non-zero when the run fails. `make demo` runs it
-after `make up`; the Airflow UI stays up until `make down`.
+Makes sure the cluster preflight (all-reduce benchmark) is fresh, triggers `nightly_training`, prints one line
+per task state change, and ends with a summary: rows, holdout metrics, checkpoint, the model version Triton
+serves with a sample realtime prediction and its latency, the report, and the UI URL and login. Exits non-zero
+when a run fails. `make demo` runs it after `make up`; the stack keeps running until `make down`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
 
-from airflow_api import AirflowApi, local_api, trigger
+from airflow_api import STATE, AirflowApi, local_api, trigger
 
-DEFAULT_DAG = "platform_healthcheck"
+NIGHTLY = "nightly_training"
 
 
 def follow(api: AirflowApi, dag_id: str, run_id: str, timeout_s: float) -> str:
@@ -37,22 +43,124 @@ def follow(api: AirflowApi, dag_id: str, run_id: str, timeout_s: float) -> str:
     raise RuntimeError(f"run {run_id} of {dag_id} did not finish within {timeout_s:.0f} s")
 
 
+def xcom(api: AirflowApi, dag_id: str, run_id: str, task_id: str, key: str = "return_value"):
+    try:
+        entry = api.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}")
+    except RuntimeError:
+        return None  # the task was skipped or returned nothing
+    return entry.get("value")
+
+
+def run_dag(api: AirflowApi, dag_id: str, conf: dict, timeout_s: float, logical_date: str | None = None) -> tuple:
+    run_id = trigger(api, dag_id, conf, logical_date=logical_date)
+    print(f"triggered {dag_id} run {run_id}", flush=True)
+    return run_id, follow(api, dag_id, run_id, timeout_s)
+
+
+def ensure_fresh_preflight(api: AirflowApi, storage_root: str, timeout_s: float) -> None:
+    """Training refuses to start on a stale or failed all-reduce preflight: run it first when needed."""
+    latest = Path(storage_root) / "runs" / "preflight" / "latest.json"
+    try:
+        measured = datetime.fromisoformat(json.loads(latest.read_text())["measured_at"])
+        if datetime.now(UTC) - measured < timedelta(days=1):
+            print(f"cluster preflight measured {measured:%Y-%m-%d %H:%M} UTC: fresh", flush=True)
+            return
+    except (OSError, KeyError, ValueError):
+        pass
+    _, state = run_dag(api, "cluster_preflight", {}, timeout_s)
+    if state != "success":
+        raise SystemExit("cluster_preflight failed: training would be refused; see its log "
+                         "(runbook: include/runbooks/preflight.md)")
+
+
+def sample_prediction(model_name: str, export_dir: str) -> str:
+    """One realtime request to Triton with the model's own smoke rows, timed end to end."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    smoke = json.loads((Path(export_dir) / "smoke.json").read_text())
+    row = np.asarray(smoke["inputs"][:1], dtype=np.float32)
+    client = httpclient.InferenceServerClient("127.0.0.1:8000")
+    tensor = httpclient.InferInput(smoke["input_name"], list(row.shape), "FP32")
+    tensor.set_data_from_numpy(row, binary_data=True)
+    timings = []
+    for _ in range(20):
+        started = time.perf_counter()
+        result = client.infer(model_name, [tensor])
+        timings.append((time.perf_counter() - started) * 1000)
+    score = float(result.as_numpy(smoke["output_name"]).reshape(-1)[0])
+    return (f"p(convert)={score:.4f} for customer row 0 of the smoke set (expected "
+            f"{smoke['outputs'][0][0]:.4f}); latency median {sorted(timings)[10]:.2f} ms over 20 requests")
+
+
+def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str]:
+    def get(task_id: str):
+        return xcom(api, NIGHTLY, run_id, task_id) or {}
+
+    lines = []
+    figures = get("quality.quality_gate").get("figures") or {}
+    if figures:
+        lines.append(f"features: {figures.get('raw_rows')} raw rows -> {figures.get('feature_rows')} customers, "
+                     f"{figures.get('quarantined_rows')} quarantined ({figures.get('quarantine_ratio')})")
+    train = get("training.train")
+    if train:
+        metrics = train.get("metrics") or {}
+        lines.append(f"training: Slurm job {train.get('job_id')} {train.get('state')} in "
+                     f"{train.get('elapsed_s')} s, step {metrics.get('step')}, holdout AUC "
+                     f"{metrics.get('auc')}, log loss {metrics.get('log_loss')}")
+        lines.append(f"checkpoint: {train.get('run_dir')}/checkpoints (newest complete: step {metrics.get('step')})")
+    decision = get("evaluation.champion_challenger")
+    if decision:
+        lines.append(f"evaluation: {decision.get('reason')}")
+    scoring = get("scoring.model_of_record")
+    predictions = Path(storage_root) / "predictions"
+    if scoring:
+        lines.append(f"scoring: model of record {scoring.get('version')} -> {predictions}")
+    deploy = get("deploy.deploy_model") or xcom(api, NIGHTLY, run_id, "deploy.deploy_model", "deploy_report") or {}
+    if deploy:
+        latency = deploy.get("latency") or {}
+        lines.append(f"serving: Triton model {deploy.get('model')} version {deploy.get('version')} "
+                     f"(promoted={deploy.get('promoted')}), gate p50 {latency.get('p50_ms')} ms, p99 "
+                     f"{latency.get('p99_ms')} ms")
+    if scoring and scoring.get("export_dir"):
+        try:
+            lines.append("realtime: " + sample_prediction(deploy.get("model") or "propensity", scoring["export_dir"]))
+        except Exception as error:  # the summary reports what it could not measure instead of failing
+            lines.append(f"realtime: no sample prediction ({error})")
+    report = get("report.write_report")
+    if report:
+        lines.append(f"report: {report.get('html') or report}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dag", default=DEFAULT_DAG)
+    parser.add_argument("--dag", default=NIGHTLY)
+    parser.add_argument("--ds", default=None, help="the date to run (default: yesterday, UTC)")
     parser.add_argument("--conf", default="{}", help="run conf as JSON (the DAG's params)")
-    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--timeout", type=float, default=1200)
     args = parser.parse_args(argv)
 
+    env = json.loads((STATE / "airflow-env.json").read_text())
+    storage_root = env.get("HYBRIDFLOW_STORAGE_ROOT", "/var/lib/hybridflow/storage")
     api = local_api()
     t0 = time.monotonic()
-    run_id = trigger(api, args.dag, json.loads(args.conf))
-    print(f"triggered {args.dag} run {run_id}", flush=True)
-    state = follow(api, args.dag, run_id, args.timeout)
+    logical_date = None
+    if args.dag == NIGHTLY:
+        ensure_fresh_preflight(api, storage_root, args.timeout)
+        ds = date.fromisoformat(args.ds) if args.ds else date.today() - timedelta(days=1)
+        # A fresh timestamp on the requested day: the run's ds is that day, and a rerun is a new run of it.
+        now = datetime.now(UTC)
+        logical_date = datetime(ds.year, ds.month, ds.day, now.hour, now.minute, now.second, now.microsecond,
+                                tzinfo=UTC).isoformat()
+    run_id, state = run_dag(api, args.dag, json.loads(args.conf), args.timeout, logical_date)
     print()
     print(f"{args.dag}: {state.upper()} in {time.monotonic() - t0:.0f} s")
+    if args.dag == NIGHTLY:
+        for line in nightly_summary(api, run_id, storage_root):
+            print(f"  {line}")
     print(f"UI: {api.base_url}/dags/{args.dag}/runs/{run_id}  (login admin, password in "
-          ".state/airflow/passwords.json)")
+          f"{os.path.relpath(STATE / 'airflow' / 'passwords.json')})")
     print("The stack keeps running; `make down` stops it.")
     return 0 if state == "success" else 1
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 
 from hybridflow.exceptions import SlurmConnectionError, SlurmJobFailed
+from hybridflow.ui import SlurmJobLink
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -47,6 +48,7 @@ class SlurmSubmitOperator(BaseOperator):
                                       "gpus_per_node")
     template_fields_renderers = {"env": "json"}
     ui_color = "#d9e7ff"
+    operator_extra_links = (SlurmJobLink(),)
 
     def __init__(
         self,

@@ -1,0 +1,11 @@
+"""Airflow plugin: mounts hybridflow's pages (run reports, Slurm job records) on the api-server under /hybridflow.
+The code lives in the installed package (hybridflow.ui); this file only registers it."""
+
+from airflow.plugins_manager import AirflowPlugin
+
+from hybridflow.ui import URL_PREFIX, create_app
+
+
+class HybridflowUiPlugin(AirflowPlugin):
+    name = "hybridflow_ui"
+    fastapi_apps = [{"app": create_app(), "url_prefix": URL_PREFIX, "name": "hybridflow reports and Slurm jobs"}]
