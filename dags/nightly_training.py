@@ -20,10 +20,10 @@ scoring, deploy, report, backfill).
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-from airflow.sdk import DAG, Asset, Param, TaskGroup, task
+from airflow.sdk import DAG, Asset, CronTriggerTimetable, Param, TaskGroup, task
 
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
@@ -51,8 +51,9 @@ SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
 
 with DAG(
     dag_id="nightly_training",
-    schedule=cfg.cron,
-    start_date=datetime(2026, 1, 1),
+    # No start_date and run_immediately=False: unpausing waits for the next night instead of starting the missed
+    # one at once; backfills cover the past on request.
+    schedule=CronTriggerTimetable(cfg.cron, timezone="UTC", run_immediately=False) if cfg.cron else None,
     catchup=False,
     max_active_runs=cfg.max_active_runs,
     default_args=DEFAULT_ARGS,
@@ -77,7 +78,7 @@ with DAG(
     },
 ):
 
-    @task
+    @task(retries=0)  # a decision from params: a retry would decide the same
     def plan(params=None, dag_run=None, ds=None) -> dict:
         from hybridflow.utils.nightly import plan_run
 
@@ -108,7 +109,7 @@ with DAG(
 
             return raw_is_published(config, ds)
 
-        @task
+        @task(retries=0)  # judges the last preflight's figures; rerun cluster_preflight instead
         def allreduce_preflight(run_plan: dict) -> str:
             from airflow.sdk.exceptions import AirflowSkipException
 
@@ -140,7 +141,7 @@ with DAG(
 
     with TaskGroup("quality", tooltip="schema, row count, nulls, quarantine ratio") as quality:
 
-        @task
+        @task(retries=0)  # the same partition fails the same checks; fix the data, then clear the task
         def quality_gate(ds=None) -> dict:
             from hybridflow.nightly import quality_gate
 

@@ -751,8 +751,6 @@ def airflow_env() -> dict[str, str]:
         "PYSPARK_PYTHON": str(VENV / "bin/python"),
         # No upstream producer here: the nightly pipeline generates the day's raw events itself.
         "HYBRIDFLOW_SIMULATE_RAW": "true",
-        # On demand here: `make demo` triggers the nightly DAG for a date; a 2 a.m. run on a laptop is noise.
-        "HYBRIDFLOW_NIGHTLY_SCHEDULE": "none",
         # Loopback gloo on 2 shared cores spends ~30% of a small model's step in all-reduce (pipeline.yaml).
         "HYBRIDFLOW_MAX_ALLREDUCE_SHARE": "0.5",
         "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",

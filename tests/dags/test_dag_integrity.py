@@ -60,6 +60,9 @@ def test_dag_every_file_defines_a_dag(dagbag):
     assert {p.name for p in DAG_FILES} <= files_with_dags
 
 
+NO_RETRY_SUFFIXES = ("_gate", "allreduce_preflight", "plan")
+
+
 def test_dag_policy_tags_owner_retries_docs(dagbag):
     problems = []
     for dag_id, dag in dagbag["dags"].items():
@@ -70,7 +73,8 @@ def test_dag_policy_tags_owner_retries_docs(dagbag):
         for task_id, task in dag["tasks"].items():
             if task["owner"] in ("", "airflow"):
                 problems.append(f"{dag_id}.{task_id}: owner is {task['owner']!r}; use DEFAULT_ARGS")
-            if task["retries"] < 1:
+            # A gate judges figures already written: retrying it reads the same ones, so it may opt out.
+            if task["retries"] < 1 and not task_id.endswith(NO_RETRY_SUFFIXES):
                 problems.append(f"{dag_id}.{task_id}: retries={task['retries']}; use DEFAULT_ARGS")
     assert problems == []
 
