@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import fcntl
 import hashlib
 import json
 import os
@@ -352,6 +353,8 @@ def deploy_jobs() -> None:
 
 # ---------------------------------------------------------------------------------------------- munge
 def munge_ready() -> bool:
+    if shutil.which("munge") is None:
+        return False  # not installed yet (`status` on a fresh machine)
     enc = subprocess.run(["munge", "-n"], capture_output=True)
     if enc.returncode != 0:
         return False
@@ -986,10 +989,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env")
     args = parser.parse_args(argv)
     try:
-        if args.command == "up":
-            return cmd_up(args.services)
-        if args.command == "down":
-            return cmd_down(args.services)
+        if args.command in ("up", "down"):
+            # One at a time: two concurrent `up`s (parallel test sessions) would each start a copy of a
+            # service and leave one of them orphaned, its pid file overwritten.
+            ensure_dir(STATE)
+            with open(STATE / ".localstack.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                return cmd_up(args.services) if args.command == "up" else cmd_down(args.services)
         if args.command == "status":
             return cmd_status(args.services, args.json)
         return cmd_env()

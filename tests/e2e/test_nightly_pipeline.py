@@ -1,0 +1,118 @@
+"""The nightly pipeline on the running local Airflow: a scheduled-style run through every stage, and a backfill
+that recomputes features and scores without training. Dates are far from the demo's so the two do not meet."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import task_states, wait_for_state, xcom
+from hybridflow.hooks.slurm import SlurmHook
+
+DAG = "nightly_training"
+
+
+def storage(stack) -> Path:
+    return Path(stack["HYBRIDFLOW_STORAGE_ROOT"])
+
+
+def published(root: Path, dataset: str, ds: str) -> dict:
+    partition = root / dataset / f"ds={ds}"
+    assert (partition / "_SUCCESS").is_file(), f"{partition} is not published"
+    return json.loads((partition / "_MANIFEST.json").read_text())
+
+
+def unique_logical_date(ds: str) -> str:
+    now = datetime.now(UTC)
+    return f"{ds}T{now:%H:%M:%S.%f}+00:00"
+
+
+def trigger(api, conf: dict, ds: str) -> str:
+    api.patch(f"/api/v2/dags/{DAG}", {"is_paused": False})
+    return api.post(f"/api/v2/dags/{DAG}/dagRuns", {"logical_date": unique_logical_date(ds), "conf": conf})[
+        "dag_run_id"]
+
+
+def slurm_jobs_named(prefix: str) -> list[str]:
+    hook = SlurmHook()
+    try:
+        out = hook.run(["sacct", "-X", "-n", "-P", "--starttime=now-1days", "--format=JobID,JobName%200"])
+    finally:
+        hook.close()
+    return [line for line in out.stdout.splitlines() if line.split("|")[1].startswith(prefix)]
+
+
+def test_nightly_run_produces_every_stages_output(api, stack):
+    ds = "2025-06-03"
+    root = storage(stack)
+    run_id = trigger(api, {"model_preset": "small"}, ds)
+    run = wait_for_state(api, DAG, run_id)
+    states = task_states(api, DAG, run_id)
+    assert run["state"] == "success", states
+    assert {k: v for k, v in states.items() if v != "success"} == {}, "a stage was skipped or failed"
+
+    features = published(root, "features", ds)
+    quarantine = published(root, "quarantine", ds)
+    assert features["row_count"] > 0 and features["quarantine"]["rows"] == quarantine["row_count"] > 0
+    gate = xcom(api, DAG, run_id, "quality.quality_gate")
+    assert gate["summary"]["failed"] == 0 and gate["figures"]["raw_rows"] == features["input"]["raw_rows"]
+
+    train = xcom(api, DAG, run_id, "training.train")
+    assert train["state"] == "COMPLETED" and train["alloc_tres"]["gres/gpu"] == "1"
+    assert train["metrics"]["auc"] > 0.55 and train["metrics"]["step"] > 0
+    run_dir = Path(train["run_dir"])
+    step_dirs = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert step_dirs and (step_dirs[-1] / "MANIFEST.json").is_file()
+    # Exactly one training job for this run, found by its deterministic name.
+    assert len(slurm_jobs_named(train["name"])) == 1
+
+    decision = xcom(api, DAG, run_id, "evaluation.champion_challenger")
+    registry = json.loads((root / "models/propensity/registry.json").read_text())
+    if decision["promoted_version"] is not None:
+        assert registry["champion"]["version"] == decision["promoted_version"]
+        assert registry["champion"]["run_id"] == run_id
+    else:
+        assert decision["decision"] == "keep_champion" and "keep the champion" in decision["reason"]
+
+    predictions = published(root, "predictions", ds)
+    assert predictions["row_count"] == features["row_count"]
+    table = pq.read_table(root / "predictions" / f"ds={ds}", columns=["model_version", "score"])
+    assert set(table.column("model_version").to_pylist()) == {f"v{registry['champion']['version']}"}
+    scores = table.column("score").to_numpy()
+    assert ((scores >= 0) & (scores <= 1)).all()
+
+
+def test_backfill_recomputes_three_days_without_training(api, stack):
+    """A backfill over 3 days: 3 feature and prediction partitions, scored with the model of record, no job on
+    the GPU partition. Rerunning a date replaces its partitions (a second backfill would find them complete)."""
+    root = storage(stack)
+    if not (root / "models/propensity/registry.json").is_file():
+        pytest.fail("no model of record: test_nightly_run_produces_every_stages_output runs first in this module")
+    days = ["2025-07-01", "2025-07-02", "2025-07-03"]
+    before = len(slurm_jobs_named(f"hf-{DAG}-training.train-backfill"))
+    backfill = api.post("/api/v2/backfills", {
+        "dag_id": DAG, "from_date": f"{days[0]}T00:00:00Z", "to_date": f"{days[-1]}T23:59:59Z",
+        "run_backwards": False, "dag_run_conf": {}, "reprocess_behavior": "completed", "max_active_runs": 2,
+    })
+    assert backfill["dag_id"] == DAG
+    runs = []
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        runs = [r for r in api.get(f"/api/v2/dags/{DAG}/dagRuns?limit=100&order_by=-logical_date")["dag_runs"]
+                if r["run_type"] == "backfill" and (r["logical_date"] or "")[:10] in days]
+        if len(runs) == 3 and all(r["state"] in ("success", "failed") for r in runs):
+            break
+        time.sleep(3)
+    assert sorted(r["state"] for r in runs) == ["success"] * 3, runs
+    for run in runs:
+        states = task_states(api, DAG, run["dag_run_id"])
+        assert states["training.train"] == "skipped" and states["scoring.score_batch"] == "success"
+    for ds in days:
+        features = published(root, "features", ds)
+        assert published(root, "predictions", ds)["row_count"] == features["row_count"]
+    assert len(slurm_jobs_named(f"hf-{DAG}-training.train-backfill")) == before
