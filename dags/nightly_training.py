@@ -24,11 +24,11 @@ from datetime import timedelta
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Asset, CronTriggerTimetable, Param, TaskGroup, task
-
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
-from hybridflow.operators.training import DeepSpeedTrainingOperator
+from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.operators.training import DeepSpeedTrainingOperator
 from hybridflow.paths import jobs_dir
 from hybridflow.sensors.checkpoint import CheckpointSensor
 from hybridflow.sensors.slurm import SlurmCapacitySensor
@@ -76,7 +76,7 @@ with DAG(
                                    description="Days of published features, ending at the run's date, to train on."),
         "dry_run": Param(False, type="boolean", description="Plan the run and log it; run nothing."),
     },
-):
+) as dag:
 
     @task(retries=0)  # a decision from params: a retry would decide the same
     def plan(params=None, dag_run=None, ds=None) -> dict:
@@ -95,7 +95,6 @@ with DAG(
         @task
         def simulate_raw_events(ds=None) -> str:
             from airflow.sdk.exceptions import AirflowSkipException
-
             from hybridflow.nightly import simulate_raw_events
 
             if not config.nightly.simulate_raw:
@@ -112,7 +111,6 @@ with DAG(
         @task(retries=0)  # judges the last preflight's figures; rerun cluster_preflight instead
         def allreduce_preflight(run_plan: dict) -> str:
             from airflow.sdk.exceptions import AirflowSkipException
-
             from hybridflow.preflight import check_latest_preflight
 
             if not run_plan["train"]:
@@ -243,8 +241,12 @@ with DAG(
         )
         champion >> score
 
+    with TaskGroup("report", tooltip="HTML + JSON: volumes, quality, loss, GPU-hours, utilization, cost, latency"):
+        report = RunReportOperator(task_id="write_report", trigger_rule="none_failed_min_one_success")
+
     # Wiring. Training hangs off the quality gate; scoring waits for the decision when there is one.
     raw_ready >> build_features >> gate
     [gate, preflight_ok] >> wait_for_gpus >> prepared
     train >> verified >> evaluate >> decision
     [gate, decision] >> champion
+    score >> report

@@ -13,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state"))
 LOCALSTACK = [sys.executable, str(REPO / "scripts" / "localstack.py")]
+RUNNER = REPO / "tests" / "integration" / "airflow_runner.py"
 
 
 def stack_environment() -> dict[str, str]:
@@ -38,3 +39,39 @@ def stack(request) -> dict[str, str]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def isolated_airflow_env(stack, tmp_path_factory) -> dict[str, str]:
+    """An Airflow home of its own (SQLite, migrated once) with the stack's connections."""
+    home = tmp_path_factory.mktemp("airflow_home")
+    (home / "dags").mkdir()
+    env = dict(os.environ, AIRFLOW_HOME=str(home),
+               AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home / 'airflow.db'}",
+               AIRFLOW__CORE__DAGS_FOLDER=str(home / "dags"), AIRFLOW__CORE__LOAD_EXAMPLES="False")
+    subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=env, check=True,
+                   capture_output=True)
+    return env
+
+
+@pytest.fixture
+def run_dag(isolated_airflow_env):
+    """Write a DAG file and run its DAG once through Airflow's real task lifecycle (dag.test, triggers inline)."""
+
+    def run(source: str, dag_id: str, conf: dict | None = None, timeout_s: float = 600, logical_date: str = "",
+            background: bool = False):
+        dag_file = Path(isolated_airflow_env["AIRFLOW__CORE__DAGS_FOLDER"]) / f"{dag_id}.py"
+        dag_file.write_text(source)
+        argv = [sys.executable, str(RUNNER), str(dag_file), dag_id, json.dumps(conf or {}), logical_date]
+        if background:  # the caller kills it: a task process dying mid-wait
+            return subprocess.Popen(argv, env=isolated_airflow_env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+        out = subprocess.run(argv, env=isolated_airflow_env, capture_output=True, text=True, timeout=timeout_s)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if not lines:
+            pytest.fail(f"DAG run produced no result (rc {out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+        result = json.loads(lines[-1][len("RESULT "):])
+        result["log"] = out.stdout + out.stderr
+        return result
+
+    return run

@@ -6,6 +6,7 @@ rather than in the middle of a run.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import MISSING, dataclass, fields
@@ -114,16 +115,23 @@ class NightlyConfig:
 
 @dataclass(frozen=True)
 class CostConfig:
-    """Prices for the run report's cost figures (USD per hour)."""
+    """Prices for the run report's cost figures (USD per hour): one GPU, one CPU core, one inference server.
+    Checked when built, so a report is never priced with a negative or non-finite number."""
 
     gpu_hour_usd: float = 4.0
     cpu_hour_usd: float = 0.05
     serving_hour_usd: float = 1.2
 
+    def __post_init__(self) -> None:
+        self.validate("costs")
+
     def validate(self, where: str) -> None:
         for key in ("gpu_hour_usd", "cpu_hour_usd", "serving_hour_usd"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{where}.{key}: {getattr(self, key)}; a price cannot be negative")
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ConfigError(f"{where}.{key}: expected a finite number of USD, got {value!r}")
+            if value < 0:
+                raise ConfigError(f"{where}.{key}: {value}; a price cannot be negative")
 
 
 @dataclass(frozen=True)
@@ -137,7 +145,7 @@ class ServingConfig:
     backend: str = "python"
     instance_count: int = 1
     max_batch_size: int = 256
-    max_queue_delay_us: int = 100
+    max_queue_delay_us: int = 0
     slo_p99_ms: float = 50.0
     gate_concurrency: int = 4
     gate_requests: int = 400
@@ -166,6 +174,21 @@ class ServingConfig:
 
 
 @dataclass(frozen=True)
+class AlertsConfig:
+    """Where on-call alerts go: always the local sink (a JSON-lines file); also a webhook connection if named."""
+
+    sink_conn_id: str = ""
+    dedup_window_s: float = 3600.0
+    log_lines: int = 40
+
+    def validate(self, where: str) -> None:
+        if self.dedup_window_s < 0:
+            raise ConfigError(f"{where}.dedup_window_s: {self.dedup_window_s}; expected seconds >= 0")
+        if self.log_lines < 1:
+            raise ConfigError(f"{where}.log_lines: {self.log_lines}; expected a positive integer")
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     cluster: ClusterConfig
     storage: StorageConfig
@@ -174,6 +197,7 @@ class PipelineConfig:
     spark: SparkConfig
     nightly: NightlyConfig
     costs: CostConfig
+    alerts: AlertsConfig
 
 
 def expand_env(value: str, where: str) -> str:

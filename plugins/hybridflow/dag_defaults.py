@@ -1,14 +1,27 @@
-"""Defaults every DAG of the suite shares: owner, retries, tags. DAG files stay wiring only."""
+"""Defaults every DAG of the suite shares: owner, retries, the on-call failure alert. DAG files stay wiring only."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
+from hybridflow.config import pipeline_config
+from hybridflow.notifiers.oncall import OnCallNotifier
+
 OWNER = "ml-platform"
+
+
+def failure_alert(stage: str | None = None) -> OnCallNotifier:
+    """The on-call notifier configured by pipeline.yaml's ``alerts``; ``stage`` names tasks outside a stage
+    task group (e.g. "router")."""
+    alerts = pipeline_config().alerts
+    return OnCallNotifier(sink_conn_id=alerts.sink_conn_id or None, dedup_window_s=alerts.dedup_window_s,
+                          log_lines=alerts.log_lines, stage=stage)
+
 
 DEFAULT_ARGS = {
     "owner": OWNER,
     "retries": 2,
     "retry_delay": timedelta(minutes=1),
     "retry_exponential_backoff": True,
+    "on_failure_callback": failure_alert(),
 }

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import task_states, wait_for_state, xcom
 from hybridflow.hooks.slurm import SlurmHook
 

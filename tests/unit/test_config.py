@@ -63,7 +63,7 @@ def mutate(path: str, value):
         ("nightly.simulate_raw", "yes", "pipeline.nightly.simulate_raw: expected bool, got str 'yes'"),
         ("nightly.simulate_raw_rows", "${ROWS_FROM_ENV:-many}", "simulate_raw_rows: expected int, got str 'many'"),
         ("spark.driver_memory", "lots", "pipeline.spark.driver_memory: 'lots'; expected a size such as 1g"),
-        ("costs.gpu_hour_usd", -1, "pipeline.costs.gpu_hour_usd: -1.0; a price cannot be negative"),
+        ("costs.gpu_hour_usd", -1, "costs.gpu_hour_usd: -1.0; a price cannot be negative"),
     ],
 )
 def test_config_mistakes_name_file_key_and_type(tmp_path, path, value, message):

@@ -123,5 +123,12 @@ def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any
         "auc": summary.get("auc"),
         "log_loss": summary.get("log_loss"),
         "step": summary.get("step"),
-        "loss_curve": metrics.get("loss_curve"),
+        "loss_curve": loss_points(metrics.get("loss_curve")),
     }
+
+
+def loss_points(curve: Any) -> list[list[float]] | None:
+    """metrics.json's loss curve ({"step", "loss"} records) as [step, loss] pairs."""
+    if not curve:
+        return None
+    return [[point["step"], point["loss"]] if isinstance(point, Mapping) else list(point) for point in curve]

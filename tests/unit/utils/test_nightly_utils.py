@@ -115,6 +115,8 @@ def test_figures_say_none_rather_than_inventing_values():
     assert figures["gpus"] == 1 and figures["mean_gpu_utilization_pct"] is None and figures["loss_curve"] is None
     manifest = {"row_count": 90, "quarantine": {"rows": 10, "ratio": 0.1}, "input": {"raw_rows": 100},
                 "job": {"seconds": 4.5}}
+    curve = training_figures({"job_id": "7"}, {"loss_curve": [{"step": 10, "loss": 0.5}, {"step": 20, "loss": 0.4}]})
+    assert curve["loss_curve"] == [[10, 0.5], [20, 0.4]]
     assert features_figures(manifest, 2) == {"raw_rows": 100, "feature_rows": 90, "quarantined_rows": 10,
                                              "quarantine_ratio": 0.1, "customers": 90, "wall_s": 4.5,
                                              "executor_cores": 2}

@@ -1,0 +1,262 @@
+"""Tables for the run report (hybridflow.utils.report): costs, "not measured", escaping, charts, rewrites."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import pytest
+from hybridflow.exceptions import ConfigError
+from hybridflow.utils.report import (
+    CostConfig,
+    build_report,
+    chart_plan,
+    render_charts,
+    render_html,
+    report_dir_for,
+    write_report,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PRICES = CostConfig(gpu_hour_usd=2.5, cpu_hour_usd=0.05, serving_hour_usd=1.2)
+
+FIGURES = {
+    "dag_id": "nightly_training",
+    "run_id": "scheduled__2026-01-05T00:00:00+00:00",
+    "ds": "2026-01-05",
+    "generated_at": "2026-01-06T01:00:00+00:00",
+    "features": {"raw_rows": 1_000_000, "feature_rows": 50_000, "quarantined_rows": 2_000,
+                 "quarantine_ratio": 0.002, "customers": 50_000, "wall_s": 1800.0, "executor_cores": 4},
+    "quality": {"passed": True, "checks": [
+        {"name": "row_count.min", "column": None, "observed": 50_000, "expected": ">= 100", "passed": True}]},
+    "training": {"job_id": "4711", "state": "COMPLETED", "elapsed_s": 3600.0, "gpus": 8, "gpu_hours": 8.0,
+                 "mean_gpu_utilization_pct": 83.5, "restarts": 1, "train_rows_processed": 4_000_000,
+                 "auc": 0.81, "log_loss": 0.41, "step": 1000,
+                 "loss_curve": [[0, 0.69], [500, 0.5], [1000, 0.45]]},
+    "evaluation": {"challenger": {"auc": 0.81, "log_loss": 0.41},
+                   "champion": {"auc": 0.79, "log_loss": 0.43, "version": "6"},
+                   "decision": "promote", "margin": 0.005, "reason": "challenger AUC 0.81 > 0.79 + 0.005"},
+    "scoring": {"rows": 2_000_000, "wall_s": 360.0, "rows_per_s": 5555.6, "model_version": "7",
+                "executor_cores": 10},
+    "deploy": {"model": "propensity", "version": "7", "previous_version": "6", "promoted": True,
+               "load_s": 2.1,
+               "smoke": {"rows": 16, "max_abs_error": 1e-7, "atol": 1e-5},
+               "latency": {"requests": 1000, "concurrency": 8, "p50_ms": 4.2, "p99_ms": 12.5,
+                           "throughput_rps": 500.0, "failed": 0}},
+}
+
+
+def figures_with(**changes) -> dict:
+    """FIGURES with dotted paths replaced; a value of ``...`` deletes the key."""
+    figures = copy.deepcopy(FIGURES)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split("__")
+        node = figures
+        for key in parents:
+            node = node[key]
+        if value is ...:
+            del node[last]
+        else:
+            node[last] = value
+    return figures
+
+
+# Hand-computed: 8 GPU-h x 2.5 = 20 USD; 20 / 4 M rows = 5 USD per M; features 1800 s x 4 cores = 2 CPU-h
+# x 0.05 = 0.1 USD; scoring 360 s x 10 cores = 1 CPU-h = 0.05 USD, / 2,000 thousands = 2.5e-5 USD per 1,000;
+# serving 1.2 USD per hour / (500 req/s x 3600) x 1000 = 1/1500 USD per 1,000 inferences.
+@pytest.mark.parametrize(
+    "cost, expected",
+    [
+        ("training_run_usd", 20.0),
+        ("per_million_training_rows_usd", 5.0),
+        ("features_cpu_hours", 2.0),
+        ("features_usd", 0.1),
+        ("scoring_cpu_hours", 1.0),
+        ("scoring_usd", 0.05),
+        ("per_1000_batch_predictions_usd", 2.5e-5),
+        ("per_1000_realtime_inferences_usd", 1 / 1500),
+    ],
+)
+def test_report_costs_from_known_figures(cost, expected):
+    figure = build_report(FIGURES, PRICES)["costs"][cost]
+    assert math.isclose(figure["value"], expected, rel_tol=1e-12)
+    assert figure["basis"]
+
+
+def test_report_with_every_figure_measured_lists_nothing_as_not_measured():
+    report = build_report(FIGURES, PRICES)
+    assert report["not_measured"] == []
+    assert report["sections"]["training"]["figures"]["gpu_hours"] == {"value": 8.0, "unit": "GPU-h"}
+    assert report["prices"] == {"gpu_hour_usd": 2.5, "cpu_hour_usd": 0.05, "serving_hour_usd": 1.2}
+
+
+@pytest.mark.parametrize(
+    "changes, figure, why",
+    [
+        ({"training": None}, "costs.training_run_usd", "the training stage did not run"),
+        ({"training": None}, "costs.per_million_training_rows_usd", "the training stage did not run"),
+        ({"training__gpu_hours": ...}, "costs.training_run_usd", "training.gpu_hours missing"),
+        ({"training__train_rows_processed": None}, "costs.per_million_training_rows_usd",
+         "training.train_rows_processed missing"),
+        ({"training__train_rows_processed": 0}, "costs.per_million_training_rows_usd",
+         "no training rows (0)"),
+        ({"training__mean_gpu_utilization_pct": None}, "training.mean_gpu_utilization_pct", "no GPU sampled"),
+        ({"training__mean_gpu_utilization_pct": ...}, "training.mean_gpu_utilization_pct",
+         "training.mean_gpu_utilization_pct missing"),
+        ({"training__gpu_hours": float("nan")}, "training.gpu_hours",
+         "training.gpu_hours not a finite number"),
+        ({"training__gpus": "eight"}, "training.gpus", "training.gpus not a number (str)"),
+        ({"training__restarts": -1}, "training.restarts", "not a non-negative whole number"),
+        ({"features__executor_cores": ...}, "costs.features_usd", "features.executor_cores missing"),
+        ({"features__wall_s": None}, "costs.features_cpu_hours", "features.wall_s missing"),
+        ({"scoring": None}, "costs.per_1000_batch_predictions_usd", "the scoring stage did not run"),
+        ({"scoring__rows": ...}, "costs.per_1000_batch_predictions_usd", "scoring.rows missing"),
+        ({"deploy": None}, "costs.per_1000_realtime_inferences_usd", "the deploy stage did not run"),
+        ({"deploy__latency": ...}, "costs.per_1000_realtime_inferences_usd",
+         "deploy.latency.throughput_rps missing"),
+        ({"deploy__latency__throughput_rps": 0}, "costs.per_1000_realtime_inferences_usd",
+         "throughput_rps is 0"),
+        ({"deploy__previous_version": None}, "deploy.previous_version", "no previous version (first deploy)"),
+        ({"evaluation__champion": None}, "evaluation.champion_auc", "no champion (first model)"),
+        ({"evaluation__champion": ...}, "evaluation.champion_auc", "evaluation.champion.auc missing"),
+        ({"quality": None}, "quality", "the quality stage did not run"),
+    ],
+)
+def test_report_missing_inputs_are_not_measured_with_the_reason(changes, figure, why):
+    report = build_report(figures_with(**changes), PRICES)
+    reasons = {item["figure"]: item["why"] for item in report["not_measured"]}
+    assert figure in reasons, reasons
+    assert reasons[figure].startswith("not measured: ") and why in reasons[figure]
+    section, _, name = figure.partition(".")
+    if section == "costs":
+        assert report["costs"][name]["value"] is None and report["costs"][name]["why"] == reasons[figure]
+
+
+def test_report_skipped_stages_give_no_zero_costs():
+    backfill = figures_with(training=None, evaluation=None, deploy=None)
+    report = build_report(backfill, PRICES)
+    for name in ("training_run_usd", "per_million_training_rows_usd", "per_1000_realtime_inferences_usd"):
+        assert report["costs"][name]["value"] is None
+    assert report["costs"]["scoring_usd"]["value"] == pytest.approx(0.05)
+    assert {item["figure"] for item in report["not_measured"]} >= {"training", "evaluation", "deploy"}
+
+
+def test_report_reads_only_whitelisted_figures():
+    leaky = figures_with(training__ssh_password="hunter2", deploy__headers={"Authorization": "Bearer s3cr3t"},
+                         extra_section={"token": "abc"})
+    text = json.dumps(build_report(leaky, PRICES))
+    assert "hunter2" not in text and "s3cr3t" not in text and "extra_section" not in text
+
+
+@pytest.mark.parametrize(
+    "prices, fragment",
+    [
+        ({"gpu_hour_usd": -1.0, "cpu_hour_usd": 0.05, "serving_hour_usd": 1.0},
+         "gpu_hour_usd: -1.0; a price cannot be negative"),
+        ({"gpu_hour_usd": 1.0, "cpu_hour_usd": "0.05", "serving_hour_usd": 1.0},
+         "cpu_hour_usd: expected a finite"),
+        ({"gpu_hour_usd": 1.0, "cpu_hour_usd": 0.05, "serving_hour_usd": float("inf")}, "serving_hour_usd"),
+        ({"gpu_hour_usd": True, "cpu_hour_usd": 0.05, "serving_hour_usd": 1.0}, "gpu_hour_usd"),
+    ],
+)
+def test_report_prices_are_validated(prices, fragment):
+    with pytest.raises(ConfigError, match="costs") as err:
+        CostConfig(**prices)
+    assert fragment in str(err.value)
+
+
+def test_report_free_prices_are_allowed():
+    report = build_report(FIGURES, CostConfig(0, 0, 0))
+    assert report["costs"]["training_run_usd"]["value"] == 0
+
+
+HOSTILE = '<script>alert("x")</script>'
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"run_id": HOSTILE},
+        {"dag_id": HOSTILE},
+        {"evaluation__reason": HOSTILE},
+        {"deploy__model": HOSTILE},
+        {"quality__checks": [{"name": HOSTILE, "column": "c", "observed": HOSTILE, "expected": 1,
+                              "passed": False}]},
+    ],
+    ids=["run_id", "dag_id", "reason", "model", "check"],
+)
+def test_report_html_escapes_hostile_strings(changes):
+    page = render_html(build_report(figures_with(**changes), PRICES), [])
+    assert "<script>" not in page
+    assert "&lt;script&gt;" in page
+
+
+def test_report_html_says_why_a_chart_is_missing_and_links_drawn_ones():
+    report = build_report(figures_with(deploy=None, training__loss_curve=[]), PRICES)
+    page = render_html(report, ["holdout_metrics.png"])
+    assert '<img src="holdout_metrics.png"' in page
+    assert "Training loss: chart not drawn (not measured: training.loss_curve has no finite points)" in page
+    assert "chart not drawn (not measured: the deploy stage did not run in this run)" in page
+
+
+def assert_png(path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > len(PNG_SIGNATURE), path
+
+
+def test_report_charts_are_valid_pngs(tmp_path):
+    files = render_charts(build_report(FIGURES, PRICES), tmp_path)
+    assert sorted(path.name for path in files) == ["deploy_latency.png", "holdout_metrics.png",
+                                                    "loss_curve.png"]
+    for path in files:
+        assert_png(path)
+
+
+@pytest.mark.parametrize(
+    "changes, not_drawn",
+    [
+        ({"training": None}, "loss_curve"),
+        ({"training__loss_curve": [[0, float("nan")], ["a", 1]]}, "loss_curve"),
+        ({"evaluation__challenger": {}}, "holdout_metrics"),
+        ({"deploy__latency": {"requests": 10}}, "deploy_latency"),
+    ],
+)
+def test_report_chart_without_data_is_not_drawn(tmp_path, changes, not_drawn):
+    report = build_report(figures_with(**changes), PRICES)
+    assert chart_plan(report)[not_drawn].startswith("not measured: ")
+    assert f"{not_drawn}.png" not in {path.name for path in render_charts(report, tmp_path)}
+
+
+def test_report_loss_curve_counts_points_it_cannot_draw():
+    report = build_report(figures_with(training__loss_curve=[[0, 0.7], [1, float("inf")], [2, 0.6]]), PRICES)
+    assert report["sections"]["training"]["loss_curve"] == {"points": [[0, 0.7], [2, 0.6]], "dropped": 1}
+
+
+def test_report_write_publishes_json_html_and_charts(tmp_path):
+    target = report_dir_for(tmp_path, "nightly_training", FIGURES["run_id"])
+    assert target == tmp_path / "reports" / "nightly_training" / "scheduled__2026-01-05T00_00_00_00_00"
+    paths = write_report(target, FIGURES, PRICES)
+    assert sorted(os.listdir(target)) == ["deploy_latency.png", "holdout_metrics.png", "loss_curve.png",
+                                          "report.html", "report.json"]
+    assert json.loads((target / "report.json").read_text())["run_id"] == FIGURES["run_id"]
+    assert paths["html"] == str(target / "report.html") and len(paths["charts"]) == 3
+    for chart in paths["charts"]:
+        assert_png(target / os.path.basename(chart))
+
+
+def test_report_rewrite_replaces_the_earlier_report_atomically(tmp_path):
+    target = tmp_path / "reports" / "nightly_training" / "run1"
+    write_report(target, FIGURES, PRICES)
+    (target / "stale-extra-file.txt").write_text("from an earlier writer")
+    rerun = figures_with(deploy=None, training__state="FAILED")
+    paths = write_report(target, rerun, PRICES)
+    assert sorted(os.listdir(target)) == ["holdout_metrics.png", "loss_curve.png", "report.html",
+                                          "report.json"]
+    report = json.loads((target / "report.json").read_text())
+    assert report["sections"]["training"]["figures"]["state"]["value"] == "FAILED"
+    assert not report["sections"]["deploy"]["ran"]
+    assert paths["not_measured"] == report["not_measured"]
+    assert sorted(os.listdir(target.parent)) == ["run1"], "no staging or retired directory is left behind"
+
