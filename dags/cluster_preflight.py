@@ -11,7 +11,6 @@ training pipeline refuses to start when the last preflight failed or is stale. R
 from __future__ import annotations
 
 from airflow.sdk import DAG, Param, task
-
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator

@@ -30,10 +30,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
-from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state")).resolve()
@@ -44,8 +44,10 @@ SERVING_VENV = REPO / ".venv-serving"
 APT_PACKAGES = [
     "munge", "slurmctld", "slurmd", "slurm-client", "slurmdbd", "mariadb-server", "openssh-server", "openssh-client",
     "python3-venv",
+    "chromium", "chromium-driver",  # the real-browser tests of the Airflow UI (tests/browser)
 ]
-REQUIRED_BINARIES = ["munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "mariadbd", "mariadb-install-db", "sshd"]
+REQUIRED_BINARIES = ["munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "mariadbd", "mariadb-install-db",
+                     "sshd", "chromium", "chromedriver"]
 CLUSTER_PYTHON = "/usr/bin/python3"  # the cluster's own interpreter, not this checkout's (maybe under /root)
 
 

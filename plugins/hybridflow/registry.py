@@ -16,7 +16,7 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,7 @@ class ModelRegistry:
                 "export_dir": str(target),
                 "source_export": str(export),
                 "sha256": sha256,
-                "promoted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
             }
             (staging / "promotion.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
             os.chmod(staging, 0o755)

@@ -101,10 +101,9 @@ def slurm_job_page(job_id: str) -> str:
 
 
 def create_app():
+    from airflow.api_fastapi.core_api.security import requires_access_dag, requires_authenticated
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.responses import FileResponse, HTMLResponse
-
-    from airflow.api_fastapi.core_api.security import requires_access_dag, requires_authenticated
 
     app = FastAPI(title="hybridflow", description="Run reports and Slurm job pages")
 

@@ -1,0 +1,139 @@
+"""A real browser (Debian's headless chromium + chromedriver, driven by selenium) on the local Airflow UI.
+
+`make test` installs chromium and chromium-driver (scripts/localstack.py's ensure_packages) and selenium
+(the [test] extra); when any is missing these tests fail saying so rather than skip. On a failure the test's
+tmp dir gets a screenshot and the page source.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from airflow_api import AirflowApi, local_api  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+WINDOW = (1600, 1000)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+class Rest:
+    """local_api() plus what these tests need and it lacks: the HTTP status of a refusal, DELETE, 404."""
+
+    def __init__(self, api: AirflowApi):
+        self.api = api
+
+    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        req = urllib.request.Request(self.api.base_url + path, method=method,
+                                     data=json.dumps(body).encode() if body is not None else None)
+        req.add_header("Content-Type", "application/json")
+        req.add_header("Authorization", f"Bearer {self.api.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                raw = resp.read()
+                return resp.status, json.loads(raw) if raw else {}
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                return exc.code, json.loads(raw)
+            except ValueError:
+                return exc.code, {"detail": raw.decode(errors="replace")}
+
+    def run(self, dag_id: str, run_id: str) -> dict | None:
+        path = f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+        status, body = self.call("GET", path)
+        if status == 404:
+            return None
+        assert status == 200, f"GET run {run_id}: HTTP {status} {body}"
+        return body
+
+    def recent_runs(self, dag_id: str, limit: int = 50) -> list[dict]:
+        return self.api.get(f"/api/v2/dags/{dag_id}/dagRuns?limit={limit}&order_by=-run_after")["dag_runs"]
+
+    def delete_run(self, dag_id: str, run_id: str) -> None:
+        self.call("DELETE", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}")
+
+
+def wait_for_ui(base_url: str, timeout_s: float = 180) -> None:
+    """The api-server restarts when `make up` finds its environment changed; wait for it rather than fail."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(base_url + "/api/v2/monitor/health", timeout=10) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"the Airflow api-server at {base_url} did not answer within {timeout_s:.0f} s")
+        time.sleep(2)
+
+
+@pytest.fixture(scope="session")
+def airflow(stack) -> Rest:
+    wait_for_ui(stack["AIRFLOW__API__BASE_URL"].rstrip("/"))
+    return Rest(local_api())
+
+
+@pytest.fixture(scope="session")
+def admin_password(stack) -> str:
+    return json.loads(Path(stack["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]).read_text())["admin"]
+
+
+@pytest.fixture(scope="session")
+def driver():
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not shutil.which(path)]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} missing: `make test` installs them (scripts/localstack.py's "
+                    "ensure_packages), or: apt-get install -y --no-install-recommends chromium "
+                    "chromium-driver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.fail("selenium is missing: `make test` installs it (pyproject's [test] extra), "
+                    "or: .venv/bin/pip install -e '.[test]'")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--disable-extensions", f"--window-size={WINDOW[0]},{WINDOW[1]}"):
+        options.add_argument(arg)
+    # An explicit driver path keeps Selenium Manager from looking for (or downloading) one.
+    browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    browser.set_page_load_timeout(60)
+    yield browser
+    browser.quit()
+
+
+@pytest.fixture(autouse=True)
+def evidence_on_failure(request, tmp_path):
+    """A failed test leaves screenshot.png and page.html in its pytest tmp dir (the report prints where)."""
+    yield
+    report = getattr(request.node, "rep_call", None) or getattr(request.node, "rep_setup", None)
+    if report is None or not report.failed or "driver" not in request.fixturenames:
+        return
+    browser = request.getfixturevalue("driver")
+    try:
+        browser.save_screenshot(str(tmp_path / "screenshot.png"))
+        (tmp_path / "page.html").write_text(browser.page_source)
+        print(f"\nbrowser evidence: {tmp_path}/screenshot.png, page.html (at {browser.current_url})")
+    except Exception as exc:  # the browser itself may be what broke
+        print(f"\nno browser evidence saved: {exc}")
