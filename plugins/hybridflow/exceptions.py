@@ -53,3 +53,12 @@ class DataQualityError(HybridflowError):
 
 class GateFailed(HybridflowError):
     """A gate refused to let the pipeline go on; the message names the figures and the runbook."""
+
+
+class ModelRolledBack(GateFailed):
+    """A new model version failed its deploy (load, smoke test or latency gate) and was rolled back; the message
+    names the figures and the runbook, ``report`` holds them."""
+
+    def __init__(self, message: str, report: dict | None = None) -> None:
+        super().__init__(message)
+        self.report = dict(report or {})

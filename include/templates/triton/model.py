@@ -1,12 +1,14 @@
 """Triton python-backend model: runs the TorchScript file of its version directory on CPU.
 
 Used by CPU servers (the local stack); GPU servers load the same model.pt with the pytorch_libtorch platform and
-the same tensor names, so clients do not change.
+the same tensor names, so clients do not change. The requests the dynamic batcher hands over together run as one
+forward pass.
 """
 
 import json
 import os
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
@@ -20,10 +22,18 @@ class TritonPythonModel:
         self.model = torch.jit.load(path, map_location="cpu").eval()
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            batch = pb_utils.get_input_tensor_by_name(request, "INPUT__0").as_numpy()
+        batches = [pb_utils.get_input_tensor_by_name(request, "INPUT__0").as_numpy() for request in requests]
+        try:
+            joined = batches[0] if len(batches) == 1 else np.concatenate(batches)
             with torch.inference_mode():
-                scores = self.model(torch.from_numpy(batch)).numpy()
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT__0", scores)]))
+                scores = self.model(torch.from_numpy(joined)).numpy()
+        except Exception as exc:  # one bad request must not take the others' answers with it
+            if len(requests) == 1:
+                return [pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))]
+            return [self.execute([request])[0] for request in requests]
+        responses, start = [], 0
+        for batch in batches:
+            rows = batch.shape[0]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT__0", scores[start:start + rows])]))
+            start += rows
         return responses

@@ -1,16 +1,39 @@
-"""Triton Inference Server hook: the connection, the client and every call to the server's HTTP/gRPC API."""
+"""Triton Inference Server: the hook (connection, client, every call to the server's HTTP/gRPC API) and the
+model repository it serves from (a local directory or S3), written so a half-published version is never visible.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import shutil
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseHook
 
 from hybridflow.exceptions import TritonError
+from hybridflow.utils.latency import LatencySummary, summarize
+from hybridflow.utils.triton import (
+    CONFIG_FILE,
+    INPUT_NAME,
+    OUTPUT_NAME,
+    RECORD_FILE,
+    Repository,
+    VersionRecord,
+    model_status_url,
+    version_numbers,
+)
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from hybridflow.hooks.storage import StorageHook
 
 
 class TritonHook(BaseHook):
@@ -20,6 +43,10 @@ class TritonHook(BaseHook):
     The connection's host/port are the HTTP endpoint; extra ``grpc_port`` names the gRPC one, extra
     ``protocol`` (``http`` or ``grpc``) picks the client, extra ``headers`` are sent with every call, and the
     password, when set, is sent as a bearer token.
+
+    Model control (load, unload) always goes over gRPC: while the server handles an HTTP load request its HTTP
+    endpoint stalls every other HTTP request, inference included (measured here: 4-5 s, the whole load), whereas
+    a gRPC load leaves HTTP and gRPC inference answering in milliseconds.
 
     :param triton_conn_id: Airflow connection of type ``triton``.
     :param protocol: overrides the connection's ``protocol`` extra.
@@ -61,13 +88,34 @@ class TritonHook(BaseHook):
     @property
     def url(self) -> str:
         """``host:port`` of the endpoint for the chosen protocol."""
-        conn = self.connection
-        if not conn.host:
+        return self.http_url if self.protocol == "http" else self.grpc_url
+
+    @property
+    def http_url(self) -> str:
+        return f"{self._host()}:{self.connection.port or 8000}"
+
+    @property
+    def grpc_url(self) -> str:
+        port = self.connection.extra_dejson.get("grpc_port", 8001)
+        try:
+            port = int(port)
+        except (TypeError, ValueError):
+            raise TritonError(f"connection {self.triton_conn_id!r}: extra 'grpc_port' is {port!r}; give the "
+                              "server's gRPC port as a number") from None
+        return f"{self._host()}:{port}"
+
+    def _host(self) -> str:
+        if not self.connection.host:
             raise TritonError(f"connection {self.triton_conn_id!r} has no host; set it to the Triton server's host")
-        port = conn.port or 8000
-        if self.protocol == "grpc":
-            port = int(conn.extra_dejson.get("grpc_port", 8001))
-        return f"{conn.host}:{port}"
+        return self.connection.host
+
+    @property
+    def http_base_url(self) -> str:
+        """``http://host:port`` of the HTTP endpoint (status pages, links), whatever the protocol."""
+        return f"http://{self.http_url}"
+
+    def model_status_url(self, name: str, version: int | str | None = None) -> str:
+        return model_status_url(self.http_base_url, name, version)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -92,16 +140,32 @@ class TritonHook(BaseHook):
     def client(self):
         return self.get_conn()
 
-    def _call(self, what: str, fn, *args, **kwargs):
+    @cached_property
+    def control_client(self):
+        """The gRPC client that loads and unloads models (see the class notes: HTTP control stalls HTTP)."""
+        if self.protocol == "grpc":
+            return self.client
+        import tritonclient.grpc as grpcclient
+
+        return grpcclient.InferenceServerClient(url=self.grpc_url)
+
+    def close(self) -> None:
+        for name in ("client", "control_client"):
+            client = self.__dict__.pop(name, None)
+            if client is not None:
+                client.close()
+
+    def _call(self, what: str, fn, *args, url: str | None = None, **kwargs):
         from tritonclient.utils import InferenceServerException
 
+        url = url or self.url
         try:
             return fn(*args, headers=self.headers or None, **kwargs)
         except InferenceServerException as exc:
-            raise TritonError(f"Triton at {self.url}: {what} failed: {exc.message()}") from exc
+            raise TritonError(f"Triton at {url}: {what} failed: {exc.message()}") from exc
         except OSError as exc:
             raise TritonError(
-                f"Triton at {self.url} is unreachable during {what}: {exc}; check that the server runs and the "
+                f"Triton at {url} is unreachable during {what}: {exc}; check that the server runs and the "
                 f"connection {self.triton_conn_id!r} points at it"
             ) from exc
 
@@ -118,16 +182,27 @@ class TritonHook(BaseHook):
             return False
 
     def load_model(self, name: str, config: str | None = None, files: dict[str, bytes] | None = None) -> None:
-        self._call(f"load of model {name}", self.client.load_model, name, config=config, files=files)
+        """Explicit-mode load, or reload to apply a changed version policy: the versions already loaded keep
+        serving until their replacements are ready. Returns once the server is done (raises with its message)."""
+        self._call(f"load of model {name}", self.control_client.load_model, name, config=config, files=files,
+                   url=self.grpc_url)
 
     def unload_model(self, name: str) -> None:
-        self._call(f"unload of model {name}", self.client.unload_model, name)
+        """Unload every version of the model (explicit mode)."""
+        self._call(f"unload of model {name}", self.control_client.unload_model, name, url=self.grpc_url)
 
     def repository_index(self) -> list[dict]:
         index = self._call("repository index", self.client.get_model_repository_index)
         if self.protocol == "grpc":
             return [{"name": m.name, "version": m.version, "state": m.state, "reason": m.reason} for m in index.models]
         return list(index)
+
+    def model_versions(self, name: str) -> dict[int, dict]:
+        """``{version: {"state": READY|UNAVAILABLE|LOADING|..., "reason": the server's message}}`` of one model."""
+        return versions_of(self.repository_index(), name)
+
+    def ready_versions(self, name: str) -> list[int]:
+        return sorted(v for v, s in self.model_versions(name).items() if s["state"] == "READY")
 
     def infer(self, name: str, batch: np.ndarray, version: str | int = "", input_name: str = "INPUT__0",
               output_name: str = "OUTPUT__0") -> np.ndarray:
@@ -156,7 +231,298 @@ class TritonHook(BaseHook):
             import tritonclient.http as module
         return module
 
+    # ------------------------------------------------------------------------------------------ async side
+    async def aconnect(self) -> None:
+        """Look the connection up without blocking the event loop (triggers); the sync properties then work."""
+        if "connection" not in self.__dict__:
+            self.connection = await self.aget_connection(self.triton_conn_id)
+
+    def async_client(self, timeout_s: float | None = None):
+        """A ``tritonclient`` asyncio client of the connection's protocol (aiohttp, grpc.aio); the caller closes it."""
+        if self.protocol == "grpc":
+            return self.async_control_client()
+        import tritonclient.http.aio as http_aio
+
+        return http_aio.InferenceServerClient(url=self.url, conn_timeout=timeout_s or self.timeout_s)
+
+    def async_control_client(self):
+        """The grpc.aio client for model control, readiness and the repository index; the caller closes it."""
+        import tritonclient.grpc.aio as grpc_aio
+
+        return grpc_aio.InferenceServerClient(url=self.grpc_url)
+
+    async def _acall(self, what: str, coro):
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            return await coro
+        except InferenceServerException as exc:
+            raise TritonError(f"Triton at {self.grpc_url}: {what} failed: {exc.message()}") from exc
+        except (TimeoutError, OSError) as exc:
+            raise TritonError(f"Triton at {self.grpc_url} is unreachable during {what}: {exc!r}") from exc
+
+    async def aload_model(self, control, name: str, timeout_s: float | None = None) -> None:
+        await self._acall(f"load of model {name}",
+                          control.load_model(name, headers=self.headers or None, client_timeout=timeout_s))
+
+    async def ais_model_ready(self, control, name: str, version: int | str = "") -> bool:
+        try:
+            return bool(await self._acall(f"readiness of {name}",
+                                          control.is_model_ready(name, str(version), headers=self.headers or None)))
+        except TritonError:
+            return False
+
+    async def amodel_versions(self, control, name: str) -> dict[int, dict]:
+        index = await self._acall("repository index", control.get_model_repository_index(
+            headers=self.headers or None, as_json=True))
+        return versions_of(index.get("models", []), name)
+
+    def measure_latency(self, name: str, version: int | str, rows: Sequence[Sequence[float]], *, concurrency: int,
+                        requests: int, batch_size: int = 1, timeout_s: float = 10.0) -> LatencySummary:
+        """A short load: ``requests`` requests of ``batch_size`` rows cycling over ``rows``, ``concurrency`` in
+        flight, through the asyncio client of the connection's protocol. Failed requests are counted, not raised."""
+        return asyncio.run(self._load(name, str(version), rows, concurrency, requests, batch_size, timeout_s))
+
+    async def _load(self, name: str, version: str, rows, concurrency: int, requests: int, batch_size: int,
+                    timeout_s: float) -> LatencySummary:
+        import numpy as np
+
+        if self.protocol == "grpc":
+            import tritonclient.grpc.aio as module
+        else:
+            import tritonclient.http.aio as module
+        client = self.async_client(timeout_s)
+        cycled = [rows[i % len(rows)] for i in range(max(len(rows), batch_size))]
+        batches = [np.asarray(cycled[i:i + batch_size], dtype=np.float32)
+                   for i in range(0, len(cycled) - batch_size + 1, batch_size)]
+        latencies: list[float] = []
+        failures: list[str] = []
+        next_request = iter(range(requests))
+
+        def request_inputs(i: int):
+            infer_input = module.InferInput(INPUT_NAME, list(batches[i % len(batches)].shape), "FP32")
+            if self.protocol == "http":
+                infer_input.set_data_from_numpy(batches[i % len(batches)], binary_data=True)
+                return [infer_input], [module.InferRequestedOutput(OUTPUT_NAME, binary_data=True)]
+            infer_input.set_data_from_numpy(batches[i % len(batches)])
+            return [infer_input], [module.InferRequestedOutput(OUTPUT_NAME)]
+
+        async def worker() -> None:
+            for i in next_request:
+                inputs, outputs = request_inputs(i)
+                started = time.perf_counter()
+                try:
+                    await client.infer(name, inputs, model_version=version, outputs=outputs,
+                                       headers=self.headers or None)
+                except Exception as exc:  # every failure counts against the gate; the first few are logged
+                    failures.append(repr(exc))
+                    continue
+                latencies.append(time.perf_counter() - started)
+
+        try:
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            wall = time.perf_counter() - started
+        finally:
+            await client.close()
+        for failure in failures[:3]:
+            self.log.warning("latency load: request to %s version %s failed: %s", name, version, failure)
+        return summarize(latencies, wall, concurrency, failed=len(failures))
+
     def test_connection(self) -> tuple[bool, str]:
         if self.is_server_ready():
             return True, f"Triton at {self.url} is ready"
         return False, f"Triton at {self.url} is not ready"
+
+
+def versions_of(index: Sequence[Mapping[str, Any]], name: str) -> dict[int, dict]:
+    """One model's versions in a repository index (HTTP list or gRPC JSON): state and the server's reason."""
+    versions = {}
+    for entry in index:
+        if entry.get("name") == name and str(entry.get("version", "")).isdigit():
+            versions[int(entry["version"])] = {"state": entry.get("state", ""), "reason": entry.get("reason", "")}
+    return versions
+
+
+# ---------------------------------------------------------------------------------------------- model repository
+class ModelRepository(ABC):
+    """A Triton model repository: ``<root>/<model>/config.pbtxt`` and ``<root>/<model>/<version>/...``.
+
+    A version becomes visible to the server in one step: locally its directory is written under a staging name
+    and renamed into place; on S3 its objects are written first, its record last, and the config that names it
+    in the version policy after that. The server is only ever told to load versions the config names.
+    """
+
+    def __init__(self, repository: Repository):
+        self.repository = repository
+
+    @property
+    def uri(self) -> str:
+        return self.repository.uri
+
+    @abstractmethod
+    def versions(self, name: str) -> list[int]:
+        """Every version directory of the model, complete or not (numbering never reuses one)."""
+
+    @abstractmethod
+    def read(self, name: str, relpath: str) -> bytes | None:
+        """A file of the model directory, or None."""
+
+    @abstractmethod
+    def write(self, name: str, relpath: str, data: bytes) -> None:
+        """Replace one file of the model directory in one step."""
+
+    @abstractmethod
+    def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes], record: VersionRecord) -> None:
+        """Write a whole version; it is visible only once complete. An existing version is never overwritten."""
+
+    @abstractmethod
+    def remove_model(self, name: str) -> None:
+        """Delete the model directory (tests, retired models)."""
+
+    def records(self, name: str) -> dict[int, VersionRecord]:
+        """The records of the complete versions."""
+        found = {}
+        for version in self.versions(name):
+            text = self.read(name, f"{version}/{RECORD_FILE}")
+            if text is not None:
+                found[version] = VersionRecord.from_json(text.decode())
+        return found
+
+    def write_record(self, name: str, record: VersionRecord) -> None:
+        self.write(name, f"{record.version}/{RECORD_FILE}", record.to_json().encode())
+
+    def write_config(self, name: str, text: str) -> bool:
+        """Replace the model's config; an identical one is left alone (a rewrite would make the server reload
+        every version on the next load). Returns whether it changed."""
+        if self.read_config(name) == text:
+            return False
+        self.write(name, CONFIG_FILE, text.encode())
+        return True
+
+    def read_config(self, name: str) -> str | None:
+        data = self.read(name, CONFIG_FILE)
+        return data.decode() if data is not None else None
+
+
+class LocalModelRepository(ModelRepository):
+    """A directory the server reads (``--model-repository``). Staging lives in ``<root>/.staging`` on the same
+    filesystem, outside every model directory, so a rename publishes it whole."""
+
+    @property
+    def root(self) -> Path:
+        return Path(self.repository.location)
+
+    def _staging(self) -> Path:
+        path = self.root / ".staging"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _drop_staging(self) -> None:
+        """The server lists every directory of the repository in its index: leave none behind."""
+        try:
+            (self.root / ".staging").rmdir()
+        except OSError:
+            pass  # another publish is using it
+
+    def versions(self, name: str) -> list[int]:
+        model_dir = self.root / name
+        return version_numbers(p.name for p in model_dir.iterdir() if p.is_dir()) if model_dir.is_dir() else []
+
+    def read(self, name: str, relpath: str) -> bytes | None:
+        path = self.root / name / relpath
+        return path.read_bytes() if path.is_file() else None
+
+    def write(self, name: str, relpath: str, data: bytes) -> None:
+        target = self.root / name / relpath
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._staging() / f"{name}.{uuid.uuid4().hex}.{target.name}"
+        tmp.write_bytes(data)
+        tmp.chmod(0o644)
+        os.replace(tmp, target)
+        self._drop_staging()
+
+    def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes], record: VersionRecord) -> None:
+        staging = self._staging() / f"{name}.{version}.{uuid.uuid4().hex}"
+        staging.mkdir(mode=0o755)
+        try:
+            for relpath, content in files.items():
+                target = staging / relpath
+                if isinstance(content, bytes):
+                    target.write_bytes(content)
+                else:
+                    shutil.copyfile(content, target)
+                target.chmod(0o644)
+            (staging / RECORD_FILE).write_text(record.to_json())
+            (self.root / name).mkdir(parents=True, exist_ok=True)
+            try:
+                # rename(2) refuses a non-empty target: a concurrent deploy cannot overwrite a published version.
+                staging.rename(self.root / name / str(version))
+            except OSError as exc:
+                raise TritonError(
+                    f"cannot publish version {version} of {name} in {self.root}: {exc}; another deploy of the same "
+                    "model may be running: let it finish, then rerun"
+                ) from exc
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            self._drop_staging()
+
+    def remove_model(self, name: str) -> None:
+        shutil.rmtree(self.root / name, ignore_errors=True)
+
+
+class S3ModelRepository(ModelRepository):
+    """``s3://bucket/prefix`` through the storage connection (a server started with that S3 repository reads it)."""
+
+    def __init__(self, repository: Repository, storage: StorageHook):
+        super().__init__(repository)
+        self.storage = storage
+
+    @property
+    def bucket(self) -> str:
+        return self.repository.location
+
+    def key(self, name: str, relpath: str = "") -> str:
+        parts = [p for p in (self.repository.prefix, name, relpath) if p]
+        return "/".join(parts)
+
+    def versions(self, name: str) -> list[int]:
+        return version_numbers(self.storage.list_prefixes(self.bucket, self.key(name)))
+
+    def read(self, name: str, relpath: str) -> bytes | None:
+        client = self.storage.client
+        try:
+            return client.get_object(Bucket=self.bucket, Key=self.key(name, relpath))["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return None
+
+    def write(self, name: str, relpath: str, data: bytes) -> None:
+        self.storage.client.put_object(Bucket=self.bucket, Key=self.key(name, relpath), Body=data)
+
+    def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes], record: VersionRecord) -> None:
+        if self.read(name, f"{version}/{RECORD_FILE}") is not None:
+            raise TritonError(f"version {version} of {name} already exists in {self.uri}; another deploy of the same "
+                              "model may be running: let it finish, then rerun")
+        for relpath, content in files.items():
+            key = self.key(name, f"{version}/{relpath}")
+            if isinstance(content, bytes):
+                self.storage.client.put_object(Bucket=self.bucket, Key=key, Body=content)
+            else:
+                self.storage.upload_file(str(content), self.bucket, key)
+        self.write_record(name, record)
+
+    def remove_model(self, name: str) -> None:
+        keys = [key for key, _ in self.storage.list_keys(self.bucket, self.key(name) + "/")]
+        for start in range(0, len(keys), 1000):
+            self.storage.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
+
+
+def open_repository(uri: str, storage_conn_id: str = "storage_s3") -> ModelRepository:
+    """The repository at ``uri``: a local directory, or ``s3://bucket/prefix`` through ``storage_conn_id``."""
+    repository = Repository.parse(uri)
+    if repository.scheme == "s3":
+        from hybridflow.hooks.storage import StorageHook
+
+        return S3ModelRepository(repository, StorageHook(storage_conn_id))
+    return LocalModelRepository(repository)

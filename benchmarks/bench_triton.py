@@ -1,0 +1,210 @@
+"""triton: the deployed model through the local tritonserver vs the same TorchScript file called in-process.
+
+Model: the exported propensity model (jobs/hybridtrain: Standardize + the ``small`` MLP 64-128-64-1 + sigmoid,
+64 float32 features in, one probability out), released with TritonDeployOperator (publish, load, smoke test,
+latency gate, promote) under a throw-away name, with the serving settings of include/config/pipeline.yaml
+(python backend, dynamic batching, instance count). Removed afterwards.
+
+Client: tritonclient on the same 2 cores as the server, binary tensors, the request objects built once:
+- bs1: N sequential single-row requests over HTTP and over gRPC: p50/p99 latency and requests/s;
+- bs64: sequential 64-row requests over HTTP and gRPC: rows/s;
+- aio: the asyncio clients with ``AIO_CONCURRENCY`` requests in flight (the deploy's latency gate's client):
+  HTTP bs1 req/s, HTTP and gRPC bs64 rows/s (dynamic batching merges the requests queued meanwhile);
+- inprocess: the same model.pt with torch.jit.load, 1 thread (the server's setting), bs1 and bs64.
+Ratios: in-process rows/s over served rows/s at bs64 (how much the network path costs).
+Targets (shared/notes/local-triton.md, the bundled binary here): HTTP bs1 p50 <= 0.55 ms, p99 <= 0.73 ms,
+HTTP bs64 >= 126k rows/s, gRPC bs64 >= 78k rows/s (gRPC bs1 p99 <= 1.21 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "jobs"))
+
+N_FEATURES = 64
+BS1_REQUESTS = 2000
+BS64_REQUESTS = 1000
+AIO_REQUESTS = 2000
+AIO_CONCURRENCY = 4
+WARMUP = 200
+
+
+def stack_environment() -> None:
+    """The connections `make up` wrote (the benchmark runs outside Airflow, like the tests)."""
+    path = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state")) / "airflow-env.json"
+    if "AIRFLOW_CONN_TRITON_DEFAULT" not in os.environ:
+        if not path.exists():
+            raise SystemExit(f"{path} is missing: run `make up` first")
+        for key, value in json.loads(path.read_text()).items():
+            os.environ.setdefault(key, value)
+
+
+def export_model(directory: Path) -> Path:
+    """An export dir like jobs/hybridtrain/export.py writes, from the real model classes (random weights)."""
+    import numpy as np
+    import torch
+    from hybridtrain.config import ModelSpec
+    from hybridtrain.model import ProbabilityModel, Standardize, build_network
+
+    torch.manual_seed(0)
+    network = build_network(N_FEATURES, ModelSpec(hidden_sizes=(128, 64), dropout=0.1, preset="small"))
+    rng = np.random.default_rng(0)
+    model = ProbabilityModel(Standardize(rng.normal(size=N_FEATURES), rng.uniform(0.5, 2, size=N_FEATURES)), network)
+    scripted = torch.jit.script(model.eval())
+    directory.mkdir(parents=True)
+    scripted.save(str(directory / "model.pt"))
+    inputs = rng.normal(size=(16, N_FEATURES)).astype(np.float32)
+    with torch.inference_mode():
+        outputs = torch.jit.load(str(directory / "model.pt"))(torch.from_numpy(inputs)).numpy()
+    (directory / "signature.json").write_text(json.dumps({
+        "format": "torchscript", "feature_columns": [f"f{i}" for i in range(N_FEATURES)], "n_features": N_FEATURES,
+        "inputs": [{"name": "INPUT__0", "dtype": "float32", "shape": [-1, N_FEATURES]}],
+        "outputs": [{"name": "OUTPUT__0", "dtype": "float32", "shape": [-1, 1]}]}))
+    (directory / "smoke.json").write_text(json.dumps({
+        "input_name": "INPUT__0", "output_name": "OUTPUT__0", "atol": 1e-5, "inputs": inputs.tolist(),
+        "outputs": outputs.tolist()}))
+    return directory
+
+
+class TaskInstanceStub:
+    def xcom_push(self, key, value) -> None:
+        pass
+
+
+def deploy(export_dir: Path, name: str) -> dict:
+    from hybridflow.config import load_pipeline_config
+    from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
+
+    serving = load_pipeline_config().serving
+    operator = TritonDeployOperator(task_id="bench", export_dir=str(export_dir),
+                                    **{**deploy_kwargs(serving), "model_name": name}, deferrable=False)
+    return operator.execute({"ti": TaskInstanceStub()})
+
+
+def ms(values: list[float], q: float) -> float:
+    from hybridflow.utils.latency import percentile
+
+    return round(percentile(values, q) * 1000, 3)
+
+
+def sequential(call, requests: int) -> tuple[list[float], float]:
+    for _ in range(WARMUP):
+        call()
+    latencies = []
+    started = time.perf_counter()
+    for _ in range(requests):
+        t0 = time.perf_counter()
+        call()
+        latencies.append(time.perf_counter() - t0)
+    return latencies, time.perf_counter() - started
+
+
+def served(name: str, url: str, protocol: str, batch) -> callable:
+    """One prepared request; the call sends it and reads the output (binary tensors on HTTP)."""
+    if protocol == "http":
+        import tritonclient.http as module
+
+        client = module.InferenceServerClient(url)
+        data = module.InferInput("INPUT__0", list(batch.shape), "FP32")
+        data.set_data_from_numpy(batch, binary_data=True)
+        outputs = [module.InferRequestedOutput("OUTPUT__0", binary_data=True)]
+    else:
+        import tritonclient.grpc as module
+
+        client = module.InferenceServerClient(url)
+        data = module.InferInput("INPUT__0", list(batch.shape), "FP32")
+        data.set_data_from_numpy(batch)
+        outputs = [module.InferRequestedOutput("OUTPUT__0")]
+
+    def call():
+        return client.infer(name, [data], outputs=outputs).as_numpy("OUTPUT__0")
+
+    call.client = client
+    return call
+
+
+def main() -> dict:
+    import numpy as np
+    import torch
+    from hybridflow.config import load_pipeline_config
+    from hybridflow.hooks.triton import TritonHook, open_repository
+
+    stack_environment()
+    serving = load_pipeline_config().serving
+    name = f"bench_triton_{uuid.uuid4().hex[:6]}"
+    hook = TritonHook(serving.triton_conn_id)
+    figures: dict = {"model": "small MLP 64-128-64-1", "n_features": N_FEATURES, "backend": serving.backend,
+                     "instance_count": serving.instance_count, "max_queue_delay_us": serving.max_queue_delay_us,
+                     "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
+    rng = np.random.default_rng(1)
+    bs1 = rng.normal(size=(1, N_FEATURES)).astype(np.float32)
+    bs64 = rng.normal(size=(64, N_FEATURES)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_dir = export_model(Path(tmp) / "export")
+        try:
+            report = deploy(export_dir, name)
+            figures["deploy"] = {k: report[k] for k in ("version", "promoted", "load_s", "smoke", "latency")}
+            print(f"deployed {name} version {report['version']}: load {report['load_s']} s, gate "
+                  f"p99 {report['latency']['p99_ms']} ms", flush=True)
+            for protocol, url in (("http", hook.http_url), ("grpc", hook.grpc_url)):
+                call = served(name, url, protocol, bs1)
+                np.testing.assert_allclose(call(), torch.jit.load(str(export_dir / "model.pt"))(
+                    torch.from_numpy(bs1)).detach().numpy(), atol=1e-5)
+                latencies, wall = sequential(call, BS1_REQUESTS)
+                figures[f"{protocol}_bs1_p50_ms"] = ms(latencies, 50)
+                figures[f"{protocol}_bs1_p99_ms"] = ms(latencies, 99)
+                figures[f"{protocol}_bs1_req_per_s"] = round(BS1_REQUESTS / wall)
+                call.client.close()
+                call = served(name, url, protocol, bs64)
+                _, wall = sequential(call, BS64_REQUESTS)
+                figures[f"{protocol}_bs64_rows_per_s"] = round(BS64_REQUESTS * 64 / wall)
+                call.client.close()
+                print(f"{protocol}: bs1 p50 {figures[f'{protocol}_bs1_p50_ms']} ms p99 "
+                      f"{figures[f'{protocol}_bs1_p99_ms']} ms; bs64 {figures[f'{protocol}_bs64_rows_per_s']} rows/s",
+                      flush=True)
+            aio = TritonHook(serving.triton_conn_id, protocol="http").measure_latency(
+                name, report["version"], bs1.tolist() * 16, concurrency=AIO_CONCURRENCY, requests=AIO_REQUESTS)
+            figures["http_aio_bs1_req_per_s"] = aio.throughput_rps
+            figures["http_aio_bs1_p99_ms"] = aio.p99_ms
+            figures["http_aio_concurrency"] = AIO_CONCURRENCY
+            for protocol in ("http", "grpc"):
+                aio = TritonHook(serving.triton_conn_id, protocol=protocol).measure_latency(
+                    name, report["version"], bs64.tolist(), concurrency=AIO_CONCURRENCY, requests=BS64_REQUESTS,
+                    batch_size=64)
+                figures[f"{protocol}_aio_bs64_rows_per_s"] = round(aio.throughput_rps * 64)
+        finally:
+            hook.unload_model(name)
+            hook.close()
+            open_repository(serving.repository, serving.storage_conn_id).remove_model(name)
+
+        torch.set_num_threads(1)
+        model = torch.jit.load(str(export_dir / "model.pt"), map_location="cpu").eval()
+        with torch.inference_mode():
+            x1, x64 = torch.from_numpy(bs1), torch.from_numpy(bs64)
+            latencies, _ = sequential(lambda: model(x1), BS1_REQUESTS)
+            figures["inprocess_bs1_p50_ms"] = ms(latencies, 50)
+            figures["inprocess_bs1_p99_ms"] = ms(latencies, 99)
+            _, wall = sequential(lambda: model(x64), BS64_REQUESTS * 5)
+            figures["inprocess_bs64_rows_per_s"] = round(BS64_REQUESTS * 5 * 64 / wall)
+    figures["inprocess_over_http_bs64"] = round(figures["inprocess_bs64_rows_per_s"] / figures["http_bs64_rows_per_s"], 1)
+    figures["inprocess_over_grpc_bs64"] = round(figures["inprocess_bs64_rows_per_s"] / figures["grpc_bs64_rows_per_s"], 1)
+    figures["http_over_inprocess_bs1_p50"] = round(figures["http_bs1_p50_ms"] / figures["inprocess_bs1_p50_ms"], 1)
+    keys = ("http_bs1_p50_ms", "http_bs1_p99_ms", "grpc_bs1_p50_ms", "grpc_bs1_p99_ms", "http_bs64_rows_per_s",
+            "grpc_bs64_rows_per_s", "inprocess_bs1_p50_ms", "inprocess_bs64_rows_per_s", "http_aio_bs1_req_per_s",
+            "http_aio_bs64_rows_per_s", "grpc_aio_bs64_rows_per_s",
+            "inprocess_over_http_bs64", "inprocess_over_grpc_bs64")
+    print("figures: " + json.dumps({k: v for k, v in figures.items() if k != "deploy"}), flush=True)
+    print("RESULT triton " + " ".join(f"{k}={figures[k]}" for k in keys), flush=True)
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""
+### On-call: roll the realtime model back
+
+One click restores the version of the Triton model that was promoted before the one serving now (or the
+version you name), proves it and only then unloads the current one: the target is loaded beside the current
+version, must become READY and give its export-time outputs on its smoke set; then the version policy becomes
+the target alone. Requests keep being answered throughout. The task's "Model status" link opens the server's
+page of the restored version. Runbook: `include/runbooks/deploy.md`.
+"""
+
+from __future__ import annotations
+
+from airflow.sdk import DAG, Param
+
+from hybridflow.config import pipeline_config
+from hybridflow.dag_defaults import DEFAULT_ARGS
+from hybridflow.operators.triton import TritonRollbackOperator, TritonRollbackPlanOperator, serving_kwargs
+from hybridflow.utils.triton import MODEL_NAME_PATTERN
+
+serving = pipeline_config().serving
+served = {**serving_kwargs(serving), "model_name": "{{ params.model_name }}"}
+PLAN = "{{ ti.xcom_pull(task_ids='plan')"
+
+with DAG(
+    dag_id="oncall_rollback_model",
+    schedule=None,
+    catchup=False,
+    max_active_runs=1,
+    default_args=DEFAULT_ARGS,
+    tags=["on-call", "serving", "triton"],
+    doc_md=__doc__,
+    params={
+        "model_name": Param(serving.model_name, type="string", pattern=MODEL_NAME_PATTERN,
+                            description="The Triton model to roll back (letters, digits, '_', '.', '-')."),
+        "version": Param(0, type="integer", minimum=0,
+                         description="The version to restore; 0 restores the version promoted before the one "
+                                     "serving now."),
+    },
+):
+    # The target is resolved once, so a retry of the rollback cannot walk back one version more.
+    plan = TritonRollbackPlanOperator(task_id="plan", **served, version="{{ params.version }}")
+    rollback = TritonRollbackOperator(task_id="rollback", **served, version=PLAN + "['version'] }}",
+                                      from_version=PLAN + "['from_version'] }}")
+    plan >> rollback

@@ -1,0 +1,536 @@
+"""Release a model version to a Triton server safely (publish, load beside the serving one, readiness, smoke test,
+latency gate, promote or roll back), and the on-call rollback to the previously promoted version."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator, BaseOperatorLink
+
+from hybridflow.exceptions import ConfigError, ModelRolledBack, TritonError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+    from airflow.sdk.types import TaskInstanceKey
+
+    from hybridflow.config import ServingConfig
+    from hybridflow.hooks.triton import ModelRepository, TritonHook
+    from hybridflow.triggers.triton import TritonModelReadyTrigger
+    from hybridflow.utils.triton import SmokeResult, SmokeSet, VersionRecord
+
+XCOM_REPORT = "deploy_report"
+DEFAULT_RUNBOOK = "include/runbooks/deploy.md"
+
+
+def serving_kwargs(serving: ServingConfig) -> dict[str, Any]:
+    """The operators' arguments from the pipeline config's ``serving:`` section."""
+    return {
+        "model_name": serving.model_name, "triton_conn_id": serving.triton_conn_id,
+        "repository": serving.repository, "storage_conn_id": serving.storage_conn_id, "backend": serving.backend,
+        "instance_count": serving.instance_count, "max_batch_size": serving.max_batch_size,
+        "max_queue_delay_us": serving.max_queue_delay_us, "readiness_timeout_s": serving.readiness_timeout_s,
+    }
+
+
+def deploy_kwargs(serving: ServingConfig) -> dict[str, Any]:
+    """:class:`TritonDeployOperator`'s arguments from the ``serving:`` section, the gate included."""
+    return {**serving_kwargs(serving), "slo_p99_ms": serving.slo_p99_ms, "concurrency": serving.gate_concurrency,
+            "gate_requests": serving.gate_requests}
+
+
+def run_sync(coro):
+    """Run a coroutine to completion from task code, even where an event loop already runs in this thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def final(error: Exception) -> Exception:
+    """The same error as one Airflow does not retry: retrying cannot change a corrupt file or a wrong output."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    failure = AirflowFailException(str(error))
+    failure.__cause__ = error
+    return failure
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class TritonModelStatusLink(BaseOperatorLink):
+    """The server's status page of the version the task deployed or restored."""
+
+    name = "Model status"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        return getattr(operator, "status_url", "") or ""
+
+
+class TritonServingOperator(BaseOperator):
+    """What deploy and rollback share: the server, the repository, the served config, loads and the smoke test.
+
+    :param model_name: the served model's name (templated).
+    :param triton_conn_id: connection of type ``triton`` (model control goes over its gRPC port).
+    :param repository: the model repository the server reads: a local directory or ``s3://bucket/prefix``
+        (templated).
+    :param storage_conn_id: the S3 connection when ``repository`` is on S3.
+    :param backend: ``python`` (CPU servers) or ``pytorch_libtorch`` (KIND_GPU servers); same tensors either way.
+    :param instance_count: model instances per version; ``max_batch_size`` and ``max_queue_delay_us`` configure
+        dynamic batching.
+    :param readiness_timeout_s: how long a load may take before the version counts as failed.
+    """
+
+    template_fields: Sequence[str] = ("model_name", "repository")
+    operator_extra_links = (TritonModelStatusLink(),)
+    ui_color = "#e8f5d9"
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        repository: str,
+        triton_conn_id: str = "triton_default",
+        storage_conn_id: str = "storage_s3",
+        backend: str = "python",
+        instance_count: int = 1,
+        max_batch_size: int = 256,
+        max_queue_delay_us: int | None = 0,
+        torch_threads: int = 1,
+        readiness_timeout_s: float = 300.0,
+        poll_interval_s: float = 1.0,
+        runbook: str = DEFAULT_RUNBOOK,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.model_name = model_name
+        self.repository = repository
+        self.triton_conn_id = triton_conn_id
+        self.storage_conn_id = storage_conn_id
+        self.backend = backend
+        self.instance_count = instance_count
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_us = max_queue_delay_us
+        self.torch_threads = torch_threads
+        self.readiness_timeout_s = readiness_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.runbook = runbook
+        self.status_url = ""
+
+    @cached_property
+    def hook(self) -> TritonHook:
+        from hybridflow.hooks.triton import TritonHook
+
+        return TritonHook(self.triton_conn_id)
+
+    @cached_property
+    def repo(self) -> ModelRepository:
+        from hybridflow.hooks.triton import open_repository
+
+        return open_repository(self.repository, self.storage_conn_id)
+
+    def validate_names(self) -> None:
+        from hybridflow.utils.triton import Repository, check_model_name
+
+        check_model_name(self.model_name)
+        Repository.parse(self.repository)
+        if self.readiness_timeout_s <= 0:
+            raise ConfigError(f"readiness_timeout_s is {self.readiness_timeout_s}; give a positive number of seconds")
+
+    def render_config(self, n_features: int, versions: tuple[int, ...]) -> str:
+        from hybridflow.utils.triton import ModelConfigSpec, render_model_config
+
+        return render_model_config(ModelConfigSpec(
+            name=self.model_name, n_features=n_features, backend=self.backend, max_batch_size=self.max_batch_size,
+            instance_count=self.instance_count, max_queue_delay_us=self.max_queue_delay_us,
+            torch_threads=self.torch_threads, versions=versions,
+        ))
+
+    def serve_versions(self, n_features: int, versions: tuple[int, ...]) -> None:
+        """Point the repository config's version policy at ``versions`` and make the server apply it: versions
+        named stay or get loaded, the others are unloaded once the new set is ready. Raises with the server's
+        message when a version fails to load."""
+        self.repo.write_config(self.model_name, self.render_config(n_features, versions))
+        self.hook.load_model(self.model_name)
+
+    def ready_trigger(self, version: int, carry: dict[str, Any], load: bool = True) -> TritonModelReadyTrigger:
+        from hybridflow.triggers.triton import TritonModelReadyTrigger
+
+        return TritonModelReadyTrigger(
+            triton_conn_id=self.triton_conn_id, model_name=self.model_name, version=version,
+            timeout_s=self.readiness_timeout_s, load=load, poll_interval_s=self.poll_interval_s, carry=carry,
+        )
+
+    def smoke_set(self, version: int) -> SmokeSet:
+        """The version's own smoke set: inputs and the outputs its file gave at export time."""
+        from hybridflow.utils.triton import SMOKE_FILE, parse_smoke
+
+        data = self.repo.read(self.model_name, f"{version}/{SMOKE_FILE}")
+        if data is None:
+            raise ConfigError(f"{self.repo.uri}/{self.model_name}/{version}/{SMOKE_FILE} is missing; this version "
+                              "was not published by the deploy operator: redeploy its export")
+        return parse_smoke(json.loads(data), self.record(version).n_features,
+                           f"{self.model_name}/{version}/{SMOKE_FILE}")
+
+    def smoke_test(self, version: int, smoke: SmokeSet) -> SmokeResult:
+        """The smoke inputs through the server, to this exact version; a failed request fails the test."""
+        try:
+            outputs = self.hook.infer(self.model_name, smoke.inputs, version=version)
+        except TritonError as exc:
+            self.log.warning("smoke request failed: %s", exc)
+            return smoke.check([])
+        return smoke.check(outputs.tolist())
+
+    def record(self, version: int) -> VersionRecord:
+        from hybridflow.utils.triton import RECORD_FILE, VersionRecord
+
+        data = self.repo.read(self.model_name, f"{version}/{RECORD_FILE}")
+        if data is None:
+            raise ConfigError(f"version {version} of {self.model_name} has no {RECORD_FILE} in {self.repo.uri}; "
+                              f"complete versions: {sorted(self.repo.records(self.model_name))}")
+        return VersionRecord.from_json(data.decode())
+
+    def mark(self, version: int, status, reason: str = "") -> None:
+        self.repo.write_record(self.model_name, self.record(version).with_status(status, now(), reason))
+
+    def serving(self) -> tuple[int | None, dict[int, VersionRecord]]:
+        """The version serving now (the server's READY versions, read against the records) and all records."""
+        from hybridflow.utils.triton import serving_version
+
+        records = self.repo.records(self.model_name)
+        return serving_version(self.hook.ready_versions(self.model_name), records), records
+
+    def wait_ready(self, version: int, carry: dict[str, Any], load: bool = True) -> dict[str, Any]:
+        """Load and wait here (non-deferrable mode, on-call rollback): the trigger's own logic, in this process."""
+        return run_sync(self.ready_trigger(version, carry, load).wait())
+
+
+class TritonDeployOperator(TritonServingOperator):
+    """
+    Publishes an export as a new numbered version of a Triton model and releases it only when it proves itself.
+
+    1. Publish atomically (rename locally; objects, then the record, then the config on S3); rerunning the same
+       export (same sha256 of model.pt) reuses its version instead of publishing another.
+    2. Load it beside the serving version (version policy ``[previous, new]``; model control over gRPC) and wait
+       until it is READY, deferred to the triggerer; a failed load carries the server's message.
+    3. Smoke test: the export's fixed inputs must give the outputs computed at export time, within ``atol``.
+    4. Latency gate: ``gate_requests`` requests, ``concurrency`` in flight, on the new version; p99 over
+       ``slo_p99_ms`` (or any failed request) fails it.
+    5. Promote (policy ``[new]``: the previous version is unloaded only now) or roll back (policy ``[previous]``:
+       the new version is unloaded, the previous never stopped serving), then raise :class:`ModelRolledBack`
+       (retried: a latency breach or a load timeout may pass next time) or, when the server refused the load or
+       the outputs were wrong, the same message as ``AirflowFailException`` (a retry cannot help).
+
+    Returns, and pushes to XCom ``deploy_report`` also before raising: ``model``, ``version``,
+    ``previous_version``, ``promoted``, ``load_s``, ``smoke`` {rows, max_abs_error, atol}, ``latency``
+    {requests, concurrency, p50_ms, p99_ms, throughput_rps, failed}, plus ``reason``, ``reused_version``,
+    ``sha256``, ``repository``, ``status_url``, ``slo_p99_ms``.
+
+    Requests without a version go to the newest READY version, so once the new version is ready it takes that
+    traffic for the few seconds of the gates; a wrong-output version is caught by the smoke test right after
+    it becomes ready (milliseconds). Clients that must never see an unproven version ask for a version.
+
+    :param export_dir: the training job's ``export/`` directory (templated).
+    :param slo_p99_ms: the latency budget of one request at p99.
+    :param concurrency: requests in flight during the latency gate; ``gate_requests`` how many in all.
+    :param deferrable: wait for readiness in the triggerer (default) instead of holding a worker slot.
+    """
+
+    template_fields: Sequence[str] = ("export_dir", "model_name", "repository")
+
+    def __init__(
+        self,
+        *,
+        export_dir: str,
+        slo_p99_ms: float = 50.0,
+        concurrency: int = 4,
+        gate_requests: int = 400,
+        deferrable: bool = True,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.export_dir = export_dir
+        self.slo_p99_ms = slo_p99_ms
+        self.concurrency = concurrency
+        self.gate_requests = gate_requests
+        self.deferrable = deferrable
+
+    def validate(self) -> None:
+        self.validate_names()
+        if not self.slo_p99_ms > 0:
+            raise ConfigError(f"slo_p99_ms is {self.slo_p99_ms}; give the p99 budget in milliseconds (default 50)")
+        for key in ("concurrency", "gate_requests"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{key} is {value!r}; give a positive integer")
+
+    def execute(self, context: Context) -> dict:
+        try:
+            return self._publish_and_load(context)
+        except ConfigError as exc:
+            raise final(exc) from exc
+        finally:
+            self.hook.close()
+
+    def _publish_and_load(self, context: Context) -> dict:
+        from hybridflow.utils.triton import (
+            VersionRecord,
+            find_published,
+            loaded_versions,
+            next_version,
+            read_export,
+        )
+
+        self.validate()
+        bundle = read_export(Path(self.export_dir))
+        previous, records = self.serving()
+        if previous is not None and records.get(previous) and records[previous].n_features != bundle.signature.n_features:
+            raise ConfigError(
+                f"export_dir {self.export_dir}: the model takes {bundle.signature.n_features} features but version "
+                f"{previous} of {self.model_name} (serving) takes {records[previous].n_features}; clients send a "
+                "different input now: deploy it under a new model_name"
+            )
+        version = find_published(records, bundle.sha256)
+        reused = version is not None
+        if version is None:
+            version = next_version(self.repo.versions(self.model_name))
+            record = VersionRecord(version=version, sha256=bundle.sha256, n_features=bundle.signature.n_features,
+                                   source=str(bundle.directory), published_at=now())
+            self.repo.publish_version(self.model_name, version, bundle.version_files(), record)
+            self.log.info("Published %s version %s (sha256 %s) to %s", self.model_name, version, bundle.sha256[:12],
+                          self.repo.uri)
+        else:
+            self.log.info("%s version %s already holds this model.pt (sha256 %s): reusing it", self.model_name,
+                          version, bundle.sha256[:12])
+        loaded = loaded_versions(previous, version)
+        changed = self.repo.write_config(self.model_name, self.render_config(bundle.signature.n_features, loaded))
+        self.log.info("Loading %s versions %s (serving now: %s, until promotion)", self.model_name, list(loaded),
+                      previous)
+        carry = {"version": version, "previous_version": previous, "reused_version": reused,
+                 "sha256": bundle.sha256, "n_features": bundle.signature.n_features}
+        # Rerunning the deploy of the version serving now needs no load: only the checks.
+        load = changed or previous != version
+        if self.deferrable:
+            self.defer(trigger=self.ready_trigger(version, carry, load=load), method_name="execute_complete",
+                       timeout=timedelta(seconds=self.readiness_timeout_s + 120))
+        return self._release(context, self.wait_ready(version, carry, load=load))
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
+        missing = {"status", "carry", "message"} - set(event or {})
+        if missing:
+            raise TritonError(f"malformed trigger event (missing {sorted(missing)}): {event}")
+        try:
+            return self._release(context, event)
+        finally:
+            self.hook.close()
+
+    def _release(self, context: Context, event: dict[str, Any]) -> dict:
+        from hybridflow.utils.triton import VersionStatus
+
+        carry = event["carry"]
+        version, previous = carry["version"], carry["previous_version"]
+        self.status_url = self.hook.model_status_url(self.model_name, version)
+        report = {
+            "model": self.model_name, "version": version, "previous_version": previous, "promoted": False,
+            "reused_version": carry["reused_version"], "sha256": carry["sha256"], "repository": self.repo.uri,
+            "status_url": self.status_url, "slo_p99_ms": self.slo_p99_ms, "load_s": None, "smoke": None,
+            "latency": None, "reason": None,
+        }
+        if event["status"] != "ready":
+            # A load the server refused will be refused again; one that ran out of time may not.
+            return self._roll_back(context, report, carry, f"version {version} did not load: {event['message']}",
+                                   retryable=event["status"] != "failed")
+        report["load_s"] = event.get("load_s")
+        self.log.info("%s version %s READY after %.2f s", self.model_name, version, report["load_s"] or 0)
+
+        smoke_set = self.smoke_set(version)
+        smoke = self.smoke_test(version, smoke_set)
+        report["smoke"] = smoke.to_dict()
+        if not smoke.passed:
+            return self._roll_back(context, report, carry, (
+                f"smoke test failed: max abs error {smoke.max_abs_error:.3g} over {smoke.rows} rows is above "
+                f"atol {smoke.atol:g} (the outputs differ from those computed at export)"), retryable=False)
+        latency = self.hook.measure_latency(self.model_name, version, smoke_set.inputs, concurrency=self.concurrency,
+                                            requests=self.gate_requests)
+        report["latency"] = latency.to_dict()
+        breach = latency.breach(self.slo_p99_ms)
+        if breach:
+            return self._roll_back(context, report, carry, f"latency gate failed: {breach}", retryable=True)
+
+        if previous != version:
+            self.serve_versions(carry["n_features"], (version,))
+        self.mark(version, VersionStatus.PROMOTED)
+        report["promoted"] = True
+        unloaded = f"version {previous} unloaded" if previous not in (None, version) else "it was the only version"
+        self.log.info("Promoted %s version %s (%s): %s", self.model_name, version, unloaded, self._figures(report))
+        context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+        return report
+
+    def _roll_back(self, context: Context, report: dict, carry: dict, reason: str, retryable: bool) -> dict:
+        from hybridflow.utils.triton import VersionStatus
+
+        version, previous = carry["version"], carry["previous_version"]
+        report["reason"] = reason
+        self.log.error("Rolling back %s version %s: %s", self.model_name, version, reason)
+        try:
+            if previous is None:
+                # Nothing served before this deploy: serve nothing rather than an unproven version.
+                self.hook.unload_model(self.model_name)
+            elif previous != version:
+                self.serve_versions(carry["n_features"], (previous,))
+            if previous != version:
+                self.mark(version, VersionStatus.ROLLED_BACK, reason)
+        except TritonError as exc:
+            context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+            raise TritonError(f"{self.model_name} version {version} failed ({reason}) and the rollback to version "
+                              f"{previous} failed too: {exc}. Runbook: {self.runbook}") from exc
+        still = self.hook.ready_versions(self.model_name)
+        context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+        serving = f"version {previous} keeps serving" if previous is not None else "nothing was serving before"
+        error = ModelRolledBack(
+            f"{self.model_name} version {version} was rolled back: {reason}. {serving} (READY now: {still}). "
+            f"Figures: {self._figures(report)}. Runbook: {self.runbook}", report)
+        raise error if retryable else final(error)
+
+    @staticmethod
+    def _figures(report: dict) -> str:
+        latency, smoke = report.get("latency") or {}, report.get("smoke") or {}
+        parts = [f"load {report['load_s']} s" if report.get("load_s") is not None else "load -"]
+        if smoke:
+            error = "no output" if smoke["max_abs_error"] is None else f"{smoke['max_abs_error']:.3g}"
+            parts.append(f"smoke {smoke['rows']} rows max_abs_error {error} (atol {smoke['atol']:g})")
+        if latency:
+            parts.append(f"p50 {latency['p50_ms']} ms p99 {latency['p99_ms']} ms (SLO {report['slo_p99_ms']:g} ms) "
+                         f"{latency['throughput_rps']} req/s at concurrency {latency['concurrency']}, "
+                         f"{latency['failed']} failed of {latency['requests']}")
+        return "; ".join(parts)
+
+
+class TritonRollbackOperator(TritonServingOperator):
+    """
+    On-call rollback: restores ``version`` (0: the version promoted before the one serving now), proves it and
+    only then unloads the current one. The target is loaded beside the current version, must become READY and
+    give its export-time outputs on its own smoke set; the version policy then becomes ``[target]``.
+
+    Retries are safe when the version is fixed: a retry that finds the target already serving verifies it and
+    marks the records. Resolve 0 once, in an upstream task (:meth:`plan`), and pass the number here, so a retry
+    after a successful switch does not walk back one more version. Returns ``model``, ``version``,
+    ``rolled_back_from``, ``load_s``, ``smoke`` and ``status_url``.
+
+    :param version: the version to restore (templated); 0: the previously promoted one.
+    :param from_version: the version being rolled back (templated); 0: the one serving now.
+    """
+
+    template_fields: Sequence[str] = ("model_name", "repository", "version", "from_version")
+
+    def __init__(self, *, version: int | str = 0, from_version: int | str = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.version = version
+        self.from_version = from_version
+
+    @staticmethod
+    def _number(value: int | str, name: str) -> int:
+        text = str(value).strip() if value not in (None, "") else "0"
+        if not text.isdigit():
+            raise ConfigError(f"{name} {value!r}: give a version number, or 0")
+        return int(text)
+
+    def plan(self) -> dict[str, Any]:
+        """``{"model", "version", "from_version"}``: what this rollback would do now (0 = nothing serving)."""
+        from hybridflow.utils.triton import rollback_target
+
+        self.validate_names()
+        current, records = self.serving()
+        current = self._number(self.from_version, "from_version") or current
+        target = self._number(self.version, "version")
+        if target and target not in records:
+            raise ConfigError(f"version {target} of {self.model_name} is not a complete version in {self.repo.uri}; "
+                              f"complete versions: {sorted(records)}")
+        if not target:
+            target = rollback_target(current, records)
+        if target is None:
+            raise ConfigError(f"{self.model_name}: no version was promoted before version {current} in "
+                              f"{self.repo.uri} (versions: {sorted(records)}); give the version to restore")
+        return {"model": self.model_name, "version": target, "from_version": current or 0}
+
+    def execute(self, context: Context) -> dict:
+        try:
+            return self._roll_back_to_plan()
+        except ConfigError as exc:
+            raise final(exc) from exc
+        finally:
+            self.hook.close()
+
+    def _roll_back_to_plan(self) -> dict:
+        from hybridflow.utils.triton import VersionStatus, loaded_versions
+
+        plan = self.plan()
+        target, rolled_back_from = plan["version"], plan["from_version"] or None
+        current, records = self.serving()
+        n_features = records[target].n_features
+        self.status_url = self.hook.model_status_url(self.model_name, target)
+        if current not in (None, target) and records.get(current) and records[current].n_features != n_features:
+            raise ConfigError(f"version {target} takes {n_features} features, the serving version {current} "
+                              f"{records[current].n_features}: clients would send the wrong input; not rolling back")
+        self.log.info("Rolling %s back from version %s to version %s (serving now: %s)", self.model_name,
+                      rolled_back_from, target, current)
+        changed = self.repo.write_config(self.model_name,
+                                         self.render_config(n_features, loaded_versions(current, target)))
+        event = self.wait_ready(target, {}, load=changed or current != target)
+        if event["status"] != "ready":
+            self._restore(current, n_features)
+            raise TritonError(f"version {target} of {self.model_name} did not load: {event['message']}; version "
+                              f"{current} keeps serving. Runbook: {self.runbook}")
+        smoke = self.smoke_test(target, self.smoke_set(target))
+        if not smoke.passed:
+            self._restore(current, n_features)
+            raise TritonError(f"version {target} of {self.model_name} fails its smoke test (max abs error "
+                              f"{smoke.max_abs_error:.3g} > atol {smoke.atol:g}); version {current} keeps serving. "
+                              f"Runbook: {self.runbook}")
+        if current != target:
+            self.serve_versions(n_features, (target,))
+        ready = self.hook.ready_versions(self.model_name)
+        if ready != [target]:
+            raise TritonError(f"{self.model_name}: after the rollback the READY versions are {ready}, not [{target}]. "
+                              f"Runbook: {self.runbook}")
+        if rolled_back_from not in (None, target) and rolled_back_from in records:
+            self.mark(rolled_back_from, VersionStatus.ROLLED_BACK, f"on-call rollback to version {target}")
+        self.mark(target, VersionStatus.PROMOTED, f"on-call rollback from version {rolled_back_from}")
+        self.log.info("%s serves version %s again (was %s); smoke max abs error %.3g over %s rows, load %.2f s",
+                      self.model_name, target, rolled_back_from, smoke.max_abs_error, smoke.rows,
+                      event.get("load_s") or 0)
+        return {"model": self.model_name, "version": target, "rolled_back_from": rolled_back_from,
+                "load_s": event.get("load_s"), "smoke": smoke.to_dict(), "status_url": self.status_url}
+
+    def _restore(self, current: int | None, n_features: int) -> None:
+        if current is None:
+            self.hook.unload_model(self.model_name)
+        else:
+            self.serve_versions(n_features, (current,))
+
+
+class TritonRollbackPlanOperator(TritonRollbackOperator):
+    """Resolves, once, which version an on-call rollback restores and from which: returns :meth:`plan`'s dict
+    for the rollback task, which can then be retried without walking back further."""
+
+    def execute(self, context: Context) -> dict:
+        try:
+            plan = self.plan()
+        except ConfigError as exc:
+            raise final(exc) from exc
+        finally:
+            self.hook.close()
+        self.status_url = self.hook.model_status_url(self.model_name, plan["version"])
+        self.log.info("Rollback plan for %s: restore version %s (serving now: %s)", self.model_name, plan["version"],
+                      plan["from_version"] or "nothing")
+        return plan

@@ -1,0 +1,124 @@
+"""Loads a model version on Triton and waits until the server says it is ready, from the triggerer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from hybridflow.exceptions import TritonError
+from hybridflow.hooks.triton import TritonHook
+
+
+class TritonModelReadyTrigger(BaseTrigger):
+    """
+    Asks the server (explicit model control, over gRPC) to load ``model_name`` with the version policy its
+    repository config names, then polls until ``version`` is READY. Yields exactly one event:
+    ``{"status": "ready"|"failed"|"timeout"|"error", "model", "version", "load_s", "message", "versions",
+    "carry"}``
+    where ``message`` carries the server's own error text and ``versions`` the model's states and reasons.
+
+    :param triton_conn_id: connection of type ``triton``.
+    :param model_name: the model to load.
+    :param version: the version that must become READY.
+    :param timeout_s: how long the load may take, counted from ``started_at``.
+    :param load: send the load request (False: only wait for readiness).
+    :param poll_interval_s: the longest wait between two readiness polls.
+    :param started_at: wall-clock start, kept through a triggerer restart so the deadline does not move.
+    :param carry: primitives handed back in the event for the task that resumes.
+    """
+
+    def __init__(
+        self,
+        triton_conn_id: str,
+        model_name: str,
+        version: int,
+        timeout_s: float = 300.0,
+        load: bool = True,
+        poll_interval_s: float = 1.0,
+        started_at: float | None = None,
+        carry: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.triton_conn_id = triton_conn_id
+        self.model_name = model_name
+        self.version = int(version)
+        self.timeout_s = timeout_s
+        self.load = load
+        self.poll_interval_s = poll_interval_s
+        self.started_at = started_at if started_at is not None else time.time()
+        self.carry = dict(carry or {})
+        self._load_started = time.monotonic()
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("hybridflow.triggers.triton.TritonModelReadyTrigger", {
+            "triton_conn_id": self.triton_conn_id, "model_name": self.model_name, "version": self.version,
+            "timeout_s": self.timeout_s, "load": self.load, "poll_interval_s": self.poll_interval_s,
+            "started_at": self.started_at, "carry": self.carry,
+        })
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        yield TriggerEvent(await self.wait())
+
+    async def wait(self) -> dict[str, Any]:
+        """The whole load-and-wait; the operator awaits it directly when it does not defer."""
+        hook = TritonHook(self.triton_conn_id)
+        try:
+            await hook.aconnect()
+            control = hook.async_control_client()
+        except TritonError as exc:
+            return self._event("error", str(exc))
+        try:
+            return await self._follow(hook, control)
+        finally:
+            await control.close()
+
+    async def _follow(self, hook: TritonHook, control) -> dict[str, Any]:
+        deadline = self.started_at + self.timeout_s
+        self._load_started = time.monotonic()
+        if self.load:
+            # The server answers once every version of the new policy is loaded, or one failed.
+            load = asyncio.ensure_future(hook.aload_model(control, self.model_name,
+                                                          timeout_s=max(1.0, deadline - time.time())))
+            done, _ = await asyncio.wait({load}, timeout=max(0.0, deadline - time.time()))
+            if not done:
+                load.cancel()
+                return await self._timeout(hook, control)
+            if load.exception() is not None:
+                return self._event("failed", str(load.exception()), await self._versions(hook, control))
+            if await hook.ais_model_ready(control, self.model_name, self.version):
+                return self._event("ready", f"{self.model_name} version {self.version} is ready")
+            versions = await self._versions(hook, control)
+            state = versions.get(str(self.version), {})
+            return self._event("failed", f"the load finished but version {self.version} is "
+                                         f"{state.get('state') or 'not in the repository index'}: "
+                                         f"{state.get('reason') or 'no reason given'}", versions)
+        delay = min(0.2, self.poll_interval_s)
+        while not await hook.ais_model_ready(control, self.model_name, self.version):
+            if time.time() > deadline:
+                return await self._timeout(hook, control)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.poll_interval_s)
+        return self._event("ready", f"{self.model_name} version {self.version} is ready")
+
+    async def _timeout(self, hook: TritonHook, control) -> dict[str, Any]:
+        versions = await self._versions(hook, control)
+        state = versions.get(str(self.version), {})
+        return self._event("timeout", f"{self.model_name} version {self.version} was not ready after "
+                                      f"{self.timeout_s:.0f} s (state {state.get('state') or 'unknown'}: "
+                                      f"{state.get('reason') or 'no reason given'})", versions)
+
+    async def _versions(self, hook: TritonHook, control) -> dict[str, dict]:
+        try:
+            return {str(v): s for v, s in (await hook.amodel_versions(control, self.model_name)).items()}
+        except TritonError as exc:
+            self.log.warning("cannot read the repository index: %s", exc)
+            return {}
+
+    def _event(self, status: str, message: str, versions: dict | None = None) -> dict[str, Any]:
+        return {"status": status, "model": self.model_name, "version": self.version,
+                "load_s": round(time.monotonic() - self._load_started, 3), "message": message,
+                "versions": versions or {}, "carry": self.carry}
