@@ -29,6 +29,7 @@ from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator
+from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
 from hybridflow.paths import jobs_dir
 from hybridflow.sensors.checkpoint import CheckpointSensor
 from hybridflow.sensors.slurm import SlurmCapacitySensor
@@ -241,6 +242,32 @@ with DAG(
         )
         champion >> score
 
+    with TaskGroup("deploy", tooltip="Triton: load beside the old version, smoke test, latency gate, promote"):
+
+        @task
+        def plan_deploy(run_plan: dict, model: dict, ti=None) -> str:
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            from hybridflow.hooks.triton import TritonHook
+            from hybridflow.utils.nightly import should_deploy
+
+            decision = ti.xcom_pull(task_ids="evaluation.champion_challenger") or {}
+            serving = TritonHook(config.serving.triton_conn_id).ready_versions(config.serving.model_name)
+            deploy, reason = should_deploy(run_plan["deploy_mode"], decision.get("promoted_version"),
+                                           model["number"], serving)
+            print(f"Deploy: {reason}")
+            if not deploy:
+                raise AirflowSkipException(reason)
+            return model["export_dir"]
+
+        deploy_model = TritonDeployOperator(
+            task_id="deploy_model",
+            export_dir="{{ ti.xcom_pull(task_ids='deploy.plan_deploy') }}",
+            **deploy_kwargs(config.serving),
+            pool="triton_deploy",
+        )
+        plan_deploy(run_plan, champion) >> deploy_model
+
     with TaskGroup("report", tooltip="HTML + JSON: volumes, quality, loss, GPU-hours, utilization, cost, latency"):
         report = RunReportOperator(task_id="write_report", trigger_rule="none_failed_min_one_success")
 
@@ -249,4 +276,5 @@ with DAG(
     [gate, preflight_ok] >> wait_for_gpus >> prepared
     train >> verified >> evaluate >> decision
     [gate, decision] >> champion
+    score >> deploy_model >> report
     score >> report

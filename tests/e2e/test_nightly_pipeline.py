@@ -8,10 +8,12 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from conftest import task_states, wait_for_state, xcom
 from hybridflow.hooks.slurm import SlurmHook
+from hybridflow.hooks.triton import TritonHook
 
 DAG = "nightly_training"
 
@@ -49,7 +51,7 @@ def slurm_jobs_named(prefix: str) -> list[str]:
 def test_nightly_run_produces_every_stages_output(api, stack):
     ds = "2025-06-03"
     root = storage(stack)
-    run_id = trigger(api, {"model_preset": "small"}, ds)
+    run_id = trigger(api, {"model_preset": "small", "deploy": "always"}, ds)
     run = wait_for_state(api, DAG, run_id)
     states = task_states(api, DAG, run_id)
     assert run["state"] == "success", states
@@ -84,6 +86,22 @@ def test_nightly_run_produces_every_stages_output(api, stack):
     assert set(table.column("model_version").to_pylist()) == {f"v{registry['champion']['version']}"}
     scores = table.column("score").to_numpy()
     assert ((scores >= 0) & (scores <= 1)).all()
+
+    deploy = xcom(api, DAG, run_id, "deploy.deploy_model")
+    assert deploy["latency"]["failed"] == 0 and deploy["latency"]["p99_ms"] < deploy["slo_p99_ms"]
+    assert deploy["smoke"]["max_abs_error"] <= deploy["smoke"]["atol"]
+    hook = TritonHook()
+    assert hook.ready_versions(deploy["model"]) == [deploy["version"]]
+    champion_smoke = json.loads((Path(registry["champion"]["export_dir"]) / "smoke.json").read_text())
+    served = hook.infer(deploy["model"], np.asarray(champion_smoke["inputs"], dtype=np.float32))
+    assert np.allclose(served.reshape(-1), np.asarray(champion_smoke["outputs"]).reshape(-1), atol=1e-5)
+
+    report = xcom(api, DAG, run_id, "report.write_report")
+    written = json.loads(Path(report["json"]).read_text())
+    assert written["run_id"] == run_id and Path(report["html"]).is_file()
+    assert any(chart.endswith("loss_curve.png") for chart in report["charts"])
+    assert {item["figure"] for item in written["not_measured"]} <= {
+        "training.mean_gpu_utilization_pct"}, written["not_measured"]  # no GPU here: said, not invented
 
 
 def test_backfill_recomputes_three_days_without_training(api, stack):

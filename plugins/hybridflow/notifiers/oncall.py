@@ -54,7 +54,10 @@ RUNBOOKS: dict[str, str] = {
     "report": "include/runbooks/report.md",
     "backfill": "include/runbooks/backfill.md",
     "router": "include/runbooks/workload-router.md",
+    "workload_router": "include/runbooks/workload-router.md",
     "oncall": "include/runbooks/oncall.md",
+    "oncall_rollback_model": "include/runbooks/oncall.md",
+    "oncall_training_job": "include/runbooks/oncall.md",
     "platform_healthcheck": "include/runbooks/platform-healthcheck.md",
 }
 
