@@ -80,3 +80,14 @@ def wait_for_run(api: AirflowApi, dag_id: str, run_id: str, timeout_s: float, po
             return state
         time.sleep(poll_s)
     raise RuntimeError(f"run {run_id} of {dag_id} did not finish within {timeout_s:.0f} s")
+
+
+def task_states(api: AirflowApi, dag_id: str, run_id: str) -> dict[str, str]:
+    """State of every task instance of a run, by task id (mapped tasks collapse to their last index)."""
+    tis = api.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances?limit=100")["task_instances"]
+    return {ti["task_id"]: ti["state"] for ti in tis}
+
+
+def xcom(api: AirflowApi, dag_id: str, run_id: str, task_id: str, key: str = "return_value"):
+    """One XCom value of a task instance of a run, deserialized by the API."""
+    return api.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}")["value"]

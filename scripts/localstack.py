@@ -497,6 +497,8 @@ def start_slurmdbd() -> int:
 
 
 def slurmctld_ready() -> bool:
+    if shutil.which("scontrol") is None:
+        return False  # Slurm not installed yet
     out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
     return out.returncode == 0 and "UP" in out.stdout
 
@@ -508,6 +510,8 @@ def start_slurmctld() -> int:
 
 
 def node_state() -> str:
+    if shutil.which("sinfo") is None:
+        return ""
     out = subprocess.run(["sinfo", "-h", "-N", "-n", STACK["slurm_node"], "-o", "%T"], capture_output=True,
                          text=True)
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state"))
 LOCALSTACK = [sys.executable, str(REPO / "scripts" / "localstack.py")]
 RUNNER = REPO / "tests" / "integration" / "airflow_runner.py"
+sys.path.insert(0, str(REPO / "scripts"))  # the REST client shared with `make demo`
 
 
 def stack_environment() -> dict[str, str]:
@@ -39,6 +40,14 @@ def stack(request) -> dict[str, str]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def api(stack):
+    """A REST client logged in to the running local Airflow as admin, as the UI and `make demo` use it."""
+    from airflow_api import local_api
+
+    return local_api()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ recencies are in days. All feature columns are float32; ``label`` is int32 (0/1)
 
 from __future__ import annotations
 
-import math
 import time
 from datetime import datetime
 from functools import reduce
@@ -36,6 +35,9 @@ COUNTRY_CODES = 8  # codes 0..5 for TOP_COUNTRIES, 6 for any other country; must
 WINDOWS_DAYS = (1, 7, 28)
 LONGEST_WINDOW_DAYS = max(WINDOWS_DAYS)
 DEFAULT_LOOKBACK_DAYS = LONGEST_WINDOW_DAYS
+# Larger amounts are no real order: a few of them would overflow the window sums to inf (and float32 features
+# to inf well before that), so they count as bad_amount_type.
+MAX_ABS_AMOUNT = 1e12
 
 # Priority order: a row gets the first reason that applies.
 QUARANTINE_REASONS = (
@@ -105,7 +107,7 @@ def with_quarantine_reason(raw: DataFrame) -> DataFrame:
         .when(ts.isNull(), "bad_timestamp")
         .when(ts >= F.col("partition_end"), "future_timestamp")
         .when(~known_type, "unknown_event_type")
-        .when(amount_present & (amount.isNull() | F.isnan(amount) | (F.abs(amount) == math.inf)),
+        .when(amount_present & (amount.isNull() | F.isnan(amount) | (F.abs(amount) > MAX_ABS_AMOUNT)),
               "bad_amount_type")
         .when(amount_present & (amount < 0), "negative_amount")
     )

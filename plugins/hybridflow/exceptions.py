@@ -62,3 +62,17 @@ class ModelRolledBack(GateFailed):
     def __init__(self, message: str, report: dict | None = None) -> None:
         super().__init__(message)
         self.report = dict(report or {})
+
+
+class WorkloadSpecError(HybridflowError, ValueError):
+    """A workload spec the routing rules refuse; the message names the field, what was found and what is
+    accepted."""
+
+
+class JobActionRefused(HybridflowError):
+    """An on-call action on a Slurm job may not be done as asked; the message says why and what to do instead."""
+
+
+class JobActionFailed(HybridflowError):
+    """Slurm did not do what an on-call action asked; the message names the job, the state seen and the
+    runbook."""

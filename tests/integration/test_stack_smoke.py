@@ -90,9 +90,19 @@ def conn_env_with_extra(stack, **extra_changes) -> str:
     return json.dumps(conn)
 
 
-def test_slurm_ssh_refuses_a_wrong_host_key(stack, tmp_path, monkeypatch):
+@pytest.mark.parametrize("known_hosts_has_real_key", [False, True], ids=["no-known-hosts", "known-hosts-real-key"])
+def test_slurm_ssh_refuses_a_wrong_host_key(stack, tmp_path, monkeypatch, known_hosts_has_real_key):
+    """The connection's pinned key is the only one trusted, even when ~/.ssh/known_hosts (which paramiko would
+    prefer) holds the server's real key."""
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "other")], check=True)
     wrong_key = " ".join((tmp_path / "other.pub").read_text().split()[:2])
+    conn = json.loads(stack["AIRFLOW_CONN_SLURM_SSH"])
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    if known_hosts_has_real_key:
+        real_key = " ".join(conn["extra"]["host_key"].split()[:2])
+        (home / ".ssh" / "known_hosts").write_text(f"[{conn['host']}]:{conn['port']} {real_key}\n")
+    monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("AIRFLOW_CONN_SLURM_SSH_WRONG", conn_env_with_extra(stack, host_key=wrong_key))
     hook = SlurmHook("slurm_ssh_wrong", conn_retry_attempts=1)
     with pytest.raises(SlurmConnectionError, match="does NOT match"):

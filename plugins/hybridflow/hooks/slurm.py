@@ -75,7 +75,7 @@ class SlurmHook(BaseHook):
         import paramiko
 
         try:
-            return self.ssh_hook.get_conn()
+            client = self.ssh_hook.get_conn()
         except paramiko.BadHostKeyException as exc:
             raise SlurmConnectionError(
                 f"host key of {self.endpoint} does NOT match the 'host_key' of connection {self.ssh_conn_id!r} "
@@ -94,6 +94,25 @@ class SlurmHook(BaseHook):
                 f"cannot reach {self.endpoint}: {exc}; check that the login node's sshd runs and the connection "
                 f"{self.ssh_conn_id!r} has the right host and port"
             ) from exc
+        self._check_pinned_host_key(client)
+        return client
+
+    def _check_pinned_host_key(self, client) -> None:
+        """The connection's ``host_key`` is the only key trusted. paramiko prefers ~/.ssh/known_hosts over it, so
+        a stale or planted entry there would otherwise win: compare what the server proved it holds."""
+        pinned = self.ssh_hook.host_key
+        served = client.get_transport().get_remote_server_key()
+        if pinned is None or (served.get_name(), served.asbytes()) == (pinned.get_name(), pinned.asbytes()):
+            return
+        client.close()
+        self.ssh_hook.client = None
+        raise SlurmConnectionError(
+            f"host key of {self.endpoint} does NOT match the 'host_key' of connection {self.ssh_conn_id!r} (server "
+            f"proved {served.get_name()} {served.get_base64()[:16]}..., connection pins {pinned.get_name()} "
+            f"{pinned.get_base64()[:16]}...). Do not connect until you know why: if the server was re-keyed on "
+            "purpose, put its new public key in the 'host_key' extra; if ~/.ssh/known_hosts holds another key for "
+            "this host, remove that entry (ssh-keygen -R)"
+        )
 
     def run(self, argv: Sequence[str], stdin: str | None = None, timeout_s: float | None = None) -> RemoteResult:
         """Run one command (argv, quoted here) and return its exit code and output; data goes on stdin."""

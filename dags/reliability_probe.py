@@ -1,0 +1,40 @@
+"""
+### Reliability probe (test only)
+
+One GPU job on `gpu-training` that only sleeps, followed by the deferrable Slurm operator. The reliability
+tests (`tests/reliability/`) trigger it on the running Airflow, then mark the task failed or restart the
+triggerer while it is deferred, and check what happened to the Slurm job. Not for production use.
+"""
+
+from __future__ import annotations
+
+from airflow.sdk import DAG, Param
+from hybridflow.config import pipeline_config
+from hybridflow.dag_defaults import DEFAULT_ARGS
+from hybridflow.operators.slurm import SlurmSubmitOperator
+
+config = pipeline_config()
+
+with DAG(
+    dag_id="reliability_probe",
+    schedule=None,
+    catchup=False,
+    default_args=DEFAULT_ARGS,
+    tags=["test"],
+    doc_md=__doc__,
+    params={
+        "sleep_s": Param(120, type="integer", minimum=1, maximum=600,
+                         description="How long the Slurm job sleeps, in seconds."),
+    },
+):
+    SlurmSubmitOperator(
+        task_id="sleep_job",
+        command=["sleep", "{{ params.sleep_s }}"],
+        partition="gpu-training",
+        gpus_per_node=1,
+        time_limit=15,
+        signal=None,
+        log_dir=f"{config.storage.root}/runs/reliability_probe/logs",
+        ssh_conn_id=config.cluster.ssh_conn_id,
+        poll_interval_s=2,
+    )

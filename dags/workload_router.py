@@ -1,0 +1,152 @@
+"""
+### Workload router
+
+Takes a workload spec from the trigger form (`workload_type`, its `config`, optionally a measured `profile`)
+and routes it to the CPU or GPU side by the rules in `include/config/routing.yaml`, the way a hybrid scheduler
+does: ETL, features and batch scoring run on CPUs (Spark, or the Slurm `cpu` partition); training and
+low-latency inference on GPUs (the `gpu-training` partition, Triton). A measured profile can move a workload:
+a large batch measured much faster on a GPU goes there, a model too small to use a GPU does not, realtime
+serving stays on CPU while CPU p99 meets the latency budget. ETL never goes to GPUs.
+
+- `route` validates the spec against the rules and logs the decision and why; an unknown type, config field
+  or profile figure is refused with what is accepted.
+- Then one of: `run_on_cpu_spark` (spark-submit of the job the rules name), `run_on_gpu_slurm` (one GPU on
+  the training partition), `run_on_cpu_slurm` (the `cpu` partition), `serve_on_triton` (checks the server
+  and records the decision; realtime serving is deployed by nightly_training). Commands come from the rules;
+  config values only fill their whitelisted, validated fields.
+- `dry_run=true` routes, logs and runs nothing.
+
+On-call: trigger it with `dry_run` to see where a workload would go and why, or to run one on its side by
+hand. Runbook: `include/runbooks/workload-router.md`.
+"""
+
+from __future__ import annotations
+
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.sdk import DAG, Param, task
+from hybridflow.config import pipeline_config
+from hybridflow.dag_defaults import DEFAULT_ARGS
+from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.utils.routing import PROFILE_METRICS, routing_rules
+
+config = pipeline_config()
+rules = routing_rules()
+RUNBOOK = "include/runbooks/workload-router.md"
+BRANCHES = {"spark": "run_on_cpu_spark", "slurm_gpu": "run_on_gpu_slurm", "slurm_cpu": "run_on_cpu_slurm",
+            "triton": "serve_on_triton"}
+SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
+              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}
+CONFIG_FIELDS = "; ".join(
+    f"{name}: {', '.join(f.describe() for f in workload.fields.values()) or 'none'}"
+    for name, workload in rules.workloads.items())
+
+with DAG(
+    dag_id="workload_router",
+    schedule=None,
+    catchup=False,
+    default_args=DEFAULT_ARGS,
+    tags=["router", "cpu", "gpu", "spark", "on-call"],
+    doc_md=__doc__,
+    params={
+        "workload_type": Param(
+            rules.workload_types[0], type="string", enum=list(rules.workload_types),
+            values_display={name: f"{name}: {w.description}" for name, w in rules.workloads.items()},
+            description="What kind of work this is; include/config/routing.yaml routes each type to a side."),
+        "config": Param({}, type="object",
+                        description="Settings of the workload; only these fields are accepted. "
+                                    + CONFIG_FIELDS),
+        "profile": Param({}, type="object", additionalProperties=False,
+                         properties={m: {"type": "number", "minimum": 0, "description": d}
+                                     for m, d in PROFILE_METRICS.items()},
+                         description="Optional measured figures that can move the workload to the other "
+                                     "side: " + "; ".join(f"{m}: {d}" for m, d in PROFILE_METRICS.items())),
+        "dry_run": Param(False, type="boolean", description="Route and log the decision; run nothing."),
+    },
+):
+
+    @task(multiple_outputs=True)
+    def route(params=None, run_id=None) -> dict:
+        from airflow.sdk.exceptions import AirflowFailException
+        from hybridflow.exceptions import WorkloadSpecError
+        from hybridflow.nightly import model_of_record
+        from hybridflow.paths import jobs_dir
+        from hybridflow.utils.routing import WorkloadSpec, plan_job, run_dir_for
+        from hybridflow.utils.routing import route as decide
+
+        try:  # a refused spec is refused again on retry: fail at once
+            decision = decide(WorkloadSpec.from_params(params), rules)
+        except WorkloadSpecError as exc:
+            raise AirflowFailException(f"workload refused: {exc}. Runbook: {RUNBOOK}") from exc
+        run_dir = run_dir_for(config.storage.root, run_id)
+        job = plan_job(decision, rules, {
+            "storage_root": lambda: config.storage.root,
+            "run_dir": lambda: run_dir,
+            "cluster_python": lambda: config.cluster.python,
+            "cluster_jobs_dir": lambda: config.cluster.jobs_dir,
+            "model_path": lambda: model_of_record(config)["model_path"],
+            "model_version": lambda: model_of_record(config)["version"],
+        })
+        print(f"Routing decision: {decision.reason} (rule: {decision.rule}); job: {job}")
+        return {
+            "decision": decision.as_dict(),
+            "run_dir": run_dir,
+            "spark_application": str(jobs_dir() / job.application) if job and job.application else None,
+            "spark_args": list(job.args) if job else [],
+            "slurm_command": list(job.command) if job else [],
+        }
+
+    @task.branch
+    def choose_side(decision: dict, params=None) -> str | None:
+        branch = BRANCHES[decision["target"]]
+        if params["dry_run"]:
+            print(f"dry run: {decision['reason']}; would run {branch}, runs nothing")
+            return None
+        return branch
+
+    routed = route()
+    chosen = choose_side(routed["decision"])
+
+    run_on_cpu_spark = SparkSubmitOperator(
+        task_id="run_on_cpu_spark",
+        conn_id=config.spark.conn_id,
+        application=routed["spark_application"],
+        application_args=routed["spark_args"],
+        name="workload-router",
+        driver_memory=config.spark.driver_memory,
+        conf=SPARK_CONF,
+        pool="spark",
+        doc_md=f"Runbook: {RUNBOOK}, then include/runbooks/features.md",
+    )
+
+    @task
+    def slurm_argv(command: list[str]) -> list[list[str]]:
+        """The routed Slurm command as the one item the Slurm tasks map over (none when routed elsewhere)."""
+        return [command] if command else []
+
+    # Mapped because the operator takes its argv as a list when the DAG is built, and the argv's length
+    # depends on the workload; mapped values reach the operator as data, never rendered as templates.
+    slurm_kwargs = {"log_dir": "{{ ti.xcom_pull(task_ids='route', key='run_dir') }}/logs",
+                    "ssh_conn_id": config.cluster.ssh_conn_id, "requeue": False, "signal": None,
+                    "poll_interval_s": 3, "runbook": RUNBOOK}
+    slurm_commands = slurm_argv(routed["slurm_command"])
+    slurm_jobs = {
+        target: SlurmSubmitOperator.partial(
+            task_id=BRANCHES[target], partition=rules.slurm[target].partition,
+            gpus_per_node=rules.slurm[target].gpus_per_node, cpus_per_task=rules.slurm[target].cpus_per_task,
+            time_limit=rules.slurm[target].time_limit_min, **slurm_kwargs,
+        ).expand(command=slurm_commands)
+        for target in ("slurm_gpu", "slurm_cpu")
+    }
+
+    @task
+    def serve_on_triton(decision: dict) -> dict:
+        from hybridflow.health import check_triton
+
+        serving = config.serving
+        health = check_triton(serving.triton_conn_id)
+        print(f"Realtime serving routed to {decision['side']}: {decision['reason']}. Triton at "
+              f"{health['url']} is ready with {health['models']} model(s); serving.backend is "
+              f"{serving.backend}. The deploy stage of nightly_training publishes the model there.")
+        return {"decision": decision, "triton": health, "backend": serving.backend}
+
+    chosen >> [run_on_cpu_spark, *slurm_jobs.values(), serve_on_triton(routed["decision"])]
