@@ -194,8 +194,9 @@ def main() -> dict:
             figures["inprocess_bs1_p99_ms"] = ms(latencies, 99)
             _, wall = sequential(lambda: model(x64), BS64_REQUESTS * 5)
             figures["inprocess_bs64_rows_per_s"] = round(BS64_REQUESTS * 5 * 64 / wall)
-    figures["inprocess_over_http_bs64"] = round(figures["inprocess_bs64_rows_per_s"] / figures["http_bs64_rows_per_s"], 1)
-    figures["inprocess_over_grpc_bs64"] = round(figures["inprocess_bs64_rows_per_s"] / figures["grpc_bs64_rows_per_s"], 1)
+    inprocess = figures["inprocess_bs64_rows_per_s"]
+    figures["inprocess_over_http_bs64"] = round(inprocess / figures["http_bs64_rows_per_s"], 1)
+    figures["inprocess_over_grpc_bs64"] = round(inprocess / figures["grpc_bs64_rows_per_s"], 1)
     figures["http_over_inprocess_bs1_p50"] = round(figures["http_bs1_p50_ms"] / figures["inprocess_bs1_p50_ms"], 1)
     keys = ("http_bs1_p50_ms", "http_bs1_p99_ms", "grpc_bs1_p50_ms", "grpc_bs1_p99_ms", "http_bs64_rows_per_s",
             "grpc_bs64_rows_per_s", "inprocess_bs1_p50_ms", "inprocess_bs64_rows_per_s", "http_aio_bs1_req_per_s",

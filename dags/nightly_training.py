@@ -43,8 +43,8 @@ PREDICTIONS = Asset(name="hybridflow_predictions", uri=f"file://{root}/predictio
 
 def prepared_value(key: str, suffix: str = "") -> str:
     """A template for one field of training.prepare's result (a dict field renders as JSON)."""
-    return "{{ ti.xcom_pull(task_ids='training.prepare')['%s'] | tojson }}%s" % (key, suffix) if key == "run_config" \
-        else "{{ ti.xcom_pull(task_ids='training.prepare')['%s'] }}%s" % (key, suffix)
+    rendered = "| tojson " if key == "run_config" else ""
+    return "{{ ti.xcom_pull(task_ids='training.prepare')['" + key + "'] " + rendered + "}}" + suffix
 
 
 SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
@@ -247,7 +247,6 @@ with DAG(
         @task
         def plan_deploy(run_plan: dict, model: dict, ti=None) -> str:
             from airflow.sdk.exceptions import AirflowSkipException
-
             from hybridflow.hooks.triton import TritonHook
             from hybridflow.utils.nightly import should_deploy
 

@@ -11,7 +11,6 @@ page of the restored version. Runbook: `include/runbooks/deploy.md`.
 from __future__ import annotations
 
 from airflow.sdk import DAG, Param
-
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.triton import TritonRollbackOperator, TritonRollbackPlanOperator, serving_kwargs

@@ -10,7 +10,6 @@ the Triton server. On-call: run it first when a pipeline stage fails for no obvi
 from __future__ import annotations
 
 from airflow.sdk import DAG, Param, task
-
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
@@ -58,7 +57,6 @@ with DAG(
     @task
     def spark_submit(params=None) -> dict:
         from airflow.sdk.exceptions import AirflowSkipException
-
         from hybridflow.health import check_spark
 
         if not params["run_spark"]:

@@ -68,7 +68,7 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         sizes = []
         for mb in BUCKET_SIZES_MB:
             buf = torch.ones(mb * (1 << 20) // 4, device=device)
-            seconds = timed(lambda: dist.all_reduce(buf), args.repeats, device)
+            seconds = timed(lambda buf=buf: dist.all_reduce(buf), args.repeats, device)
             sizes.append({"bytes": buf.numel() * 4, "seconds": seconds,
                           "busbw_gbps": bus_bandwidth_gbps(buf.numel() * 4, seconds, world)})
 

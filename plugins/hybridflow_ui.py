@@ -2,7 +2,6 @@
 The code lives in the installed package (hybridflow.ui); this file only registers it."""
 
 from airflow.plugins_manager import AirflowPlugin
-
 from hybridflow.ui import URL_PREFIX, create_app
 
 

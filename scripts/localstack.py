@@ -390,7 +390,8 @@ def start_mariadb() -> int:
     pid = spawn(
         ["mariadbd", "--no-defaults", "--user=mysql", f"--datadir={data}", "--bind-address=127.0.0.1",
          f"--port={STACK['mariadb_port']}", f"--socket={mariadb_socket()}",
-         f"--pid-file={P.mariadb / 'run' / 'mariadbd.pid'}", "--innodb-buffer-pool-size=1G", "--innodb-lock-wait-timeout=900",
+         f"--pid-file={P.mariadb / 'run' / 'mariadbd.pid'}", "--innodb-buffer-pool-size=1G",
+         "--innodb-lock-wait-timeout=900",
          "--skip-name-resolve"],
         P.logs / "mariadb.log",
     )
@@ -412,6 +413,9 @@ def start_mariadb() -> int:
 def slurm_conf() -> str:
     s, n = STACK, STACK["slurm_node"]
     sd = P.slurm
+    node = (f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname().split('.')[0]} "
+            f"CPUs={s['slurm_node_cpus']} RealMemory={s['slurm_node_memory_mb']} "
+            f"Gres=gpu:{s['slurm_gpu_type']}:{s['slurm_gpus']} State=UNKNOWN")
     return f"""# Written by scripts/localstack.py; edit include/profiles/local.json instead.
 ClusterName={s['slurm_cluster_name']}
 SlurmctldHost=localhost(127.0.0.1)
@@ -441,7 +445,7 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStorageTRES=gres/gpu
 JobAcctGatherType=jobacct_gather/none
-NodeName={n} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname().split('.')[0]} CPUs={s['slurm_node_cpus']} RealMemory={s['slurm_node_memory_mb']} Gres=gpu:{s['slurm_gpu_type']}:{s['slurm_gpus']} State=UNKNOWN
+{node}
 PartitionName=cpu Nodes={n} Default=YES MaxTime=INFINITE State=UP
 PartitionName=gpu-training Nodes={n} MaxTime=INFINITE State=UP
 """
@@ -636,7 +640,8 @@ def pytriton_dir() -> Path:
 def triton_backend_dir() -> Path:
     """The python backend assembled from the wheel's parts, with the stub for the serving interpreter."""
     bundle = pytriton_dir() / "tritonserver"
-    minor = run([str(SERVING_VENV / "bin/python"), "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"]).stdout.strip()
+    minor = run([str(SERVING_VENV / "bin/python"), "-c",
+                 "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"]).stdout.strip()
     backend = P.triton / "backends" / "python"
     backend.mkdir(parents=True, exist_ok=True)
     for src in (bundle / "backends/python/libtriton_python.so",
@@ -700,7 +705,8 @@ def fill_placeholders(node, values: dict):
     if whole.startswith("${") and whole.endswith("}") and whole.count("${") == 1:
         name = whole[2:-1]
         if name not in values:
-            raise RuntimeError(f"profile {PROFILE}: unknown placeholder ${{{name}}}; known: {', '.join(sorted(values))}")
+            raise RuntimeError(
+                f"profile {PROFILE}: unknown placeholder ${{{name}}}; known: {', '.join(sorted(values))}")
         return values[name]
     try:
         return Template(node).substitute(values)

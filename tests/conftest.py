@@ -78,7 +78,8 @@ def run_dag(isolated_airflow_env):
         out = subprocess.run(argv, env=isolated_airflow_env, capture_output=True, text=True, timeout=timeout_s)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if not lines:
-            pytest.fail(f"DAG run produced no result (rc {out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+            pytest.fail(
+                f"DAG run produced no result (rc {out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
         result = json.loads(lines[-1][len("RESULT "):])
         result["log"] = out.stdout + out.stderr
         return result

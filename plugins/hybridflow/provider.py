@@ -9,7 +9,8 @@ def get_provider_info() -> dict:
     return {
         "package-name": "hybridflow",
         "name": "Hybridflow",
-        "description": "Hybrid ML pipelines: Spark on CPU, DeepSpeed on a Slurm GPU partition over SSH, Triton serving.",
+        "description": "Hybrid ML pipelines: Spark on CPU, DeepSpeed on a Slurm GPU partition over SSH, "
+                       "Triton serving.",
         "versions": [__version__],
         "connection-types": [
             {"connection-type": "triton", "hook-class-name": "hybridflow.hooks.triton.TritonHook"},

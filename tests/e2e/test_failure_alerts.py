@@ -32,7 +32,8 @@ def test_failed_slurm_stage_alerts_with_job_id_log_tail_and_runbook_once(run_dag
                  default_args={{"retries": 0, "on_failure_callback": OnCallNotifier(alerts_file="{sink}")}}):
             with TaskGroup("training"):
                 SlurmSubmitOperator(
-                    task_id="train", command=["bash", "-c", "echo step 10 loss 0.4; echo CUDA out of memory >&2; exit 3"],
+                    task_id="train",
+                    command=["bash", "-c", "echo step 10 loss 0.4; echo CUDA out of memory >&2; exit 3"],
                     partition="gpu-training", gpus_per_node=1, time_limit=2, requeue=False, signal=None,
                     log_dir="{stack["HYBRIDFLOW_STORAGE_ROOT"]}/runs/test-alerts/logs", poll_interval_s=2,
                 )

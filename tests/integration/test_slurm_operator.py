@@ -8,7 +8,6 @@ import time
 import uuid
 
 import pytest
-
 from hybridflow.exceptions import SlurmJobFailed
 from hybridflow.hooks.slurm import SlurmHook
 

@@ -12,7 +12,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from hybridflow.exceptions import SlurmConnectionError
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
@@ -191,7 +190,7 @@ def test_spark_submit_runs_a_job(stack, conn_id, master):
     hook = SparkSubmitHook(conn_id=conn_id, name="smoke", application_args=["1000"])
     assert hook._connection["master"] == master
     lines = []
-    hook._process_spark_submit_log = lambda itr: lines.extend(l.strip() for l in itr)  # noqa: E731
+    hook._process_spark_submit_log = lambda itr: lines.extend(line.strip() for line in itr)  # noqa: E731
     hook.submit(str(REPO / "jobs" / "spark_healthcheck.py"))
     assert f"HEALTHCHECK master={master} sum=999000 expected=999000" in lines
 

@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from hybridflow.hooks.slurm import SlurmHook
 
 FEATURES = ["spend_30d", "visits_7d", "basket_mean", "discount_share"]

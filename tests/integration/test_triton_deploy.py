@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from hybridflow.hooks.triton import LocalModelRepository, S3ModelRepository, TritonHook, open_repository
 from hybridflow.utils.triton import RECORD_FILE, Repository, VersionRecord, VersionStatus
 

@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.utils.slurm import SlurmJobSpec, render_sbatch_script
 

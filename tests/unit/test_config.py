@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from hybridflow.config import load_pipeline_config
 from hybridflow.exceptions import ConfigError
 

@@ -54,9 +54,9 @@ def test_localstack_slurm_conf_declares_both_partitions_and_gpus(localstack):
     conf = localstack.slurm_conf()
     lines = conf.splitlines()
     assert "GresTypes=gpu" in lines
-    assert any(l.startswith("PartitionName=gpu-training ") for l in lines)
-    assert any(l.startswith("PartitionName=cpu ") and "Default=YES" in l for l in lines)
-    (node,) = [l for l in lines if l.startswith("NodeName=")]
+    assert any(line.startswith("PartitionName=gpu-training ") for line in lines)
+    assert any(line.startswith("PartitionName=cpu ") and "Default=YES" in line for line in lines)
+    (node,) = [line for line in lines if line.startswith("NodeName=")]
     assert "Gres=gpu:h200:8" in node and "NodeAddr=127.0.0.1" in node
     assert localstack.gres_conf().endswith("/gpu[0-7]\n")
 

@@ -12,7 +12,7 @@ from airflow.providers.ssh.hooks.ssh import SSHHook, SSHHookAsync
 from airflow.sdk import BaseHook
 
 from hybridflow.exceptions import SlurmConnectionError, SlurmConnectionLost, SlurmSubmitError
-from hybridflow.utils.capacity import CapacityVerdict, capacity_squeue_argv, capacity_sinfo_argv, capacity_verdict
+from hybridflow.utils.capacity import CapacityVerdict, capacity_sinfo_argv, capacity_squeue_argv, capacity_verdict
 from hybridflow.utils.slurm import parse_sbatch_parsable, parse_sinfo_gpus, parse_squeue
 from hybridflow.utils.slurm_jobs import (
     SlurmJobStatus,

@@ -373,7 +373,8 @@ class ModelRepository(ABC):
         """Replace one file of the model directory in one step."""
 
     @abstractmethod
-    def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes], record: VersionRecord) -> None:
+    def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes],
+                        record: VersionRecord) -> None:
         """Write a whole version; it is visible only once complete. An existing version is never overwritten."""
 
     @abstractmethod
@@ -442,7 +443,8 @@ class LocalModelRepository(ModelRepository):
         os.replace(tmp, target)
         self._drop_staging()
 
-    def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes], record: VersionRecord) -> None:
+    def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes],
+                        record: VersionRecord) -> None:
         staging = self._staging() / f"{name}.{version}.{uuid.uuid4().hex}"
         staging.mkdir(mode=0o755)
         try:
@@ -499,7 +501,8 @@ class S3ModelRepository(ModelRepository):
     def write(self, name: str, relpath: str, data: bytes) -> None:
         self.storage.client.put_object(Bucket=self.bucket, Key=self.key(name, relpath), Body=data)
 
-    def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes], record: VersionRecord) -> None:
+    def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes],
+                        record: VersionRecord) -> None:
         if self.read(name, f"{version}/{RECORD_FILE}") is not None:
             raise TritonError(f"version {version} of {name} already exists in {self.uri}; another deploy of the same "
                               "model may be running: let it finish, then rerun")

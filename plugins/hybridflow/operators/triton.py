@@ -294,7 +294,8 @@ class TritonDeployOperator(TritonServingOperator):
         self.validate()
         bundle = read_export(Path(self.export_dir))
         previous, records = self.serving()
-        if previous is not None and records.get(previous) and records[previous].n_features != bundle.signature.n_features:
+        previous_record = records.get(previous) if previous is not None else None
+        if previous_record and previous_record.n_features != bundle.signature.n_features:
             raise ConfigError(
                 f"export_dir {self.export_dir}: the model takes {bundle.signature.n_features} features but version "
                 f"{previous} of {self.model_name} (serving) takes {records[previous].n_features}; clients send a "

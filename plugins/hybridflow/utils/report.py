@@ -24,7 +24,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

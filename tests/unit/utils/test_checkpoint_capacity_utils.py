@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from hybridflow.utils.capacity import capacity_verdict
 from hybridflow.utils.checkpoints import parse_sha256sum, parse_stat_sizes, steps_newest_first, verify
 from hybridflow.utils.slurm import SinfoNode, SqueueRecord

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-
 from hybridflow.exceptions import GateFailed
 from hybridflow.utils.gates import preflight_verdict, utilization_report
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from hybridflow.utils.champion import FIRST_MODEL, KEEP_CHAMPION, PROMOTE, decide
 from hybridflow.utils.nightly import (
     features_figures,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from hybridflow.utils.progress import describe_progress
 from hybridflow.utils.slurm_jobs import (
     SlurmJobStatus,

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from hybridflow.config import load_pipeline_config
 from hybridflow.exceptions import ConfigError, TritonError
 from hybridflow.hooks.triton import LocalModelRepository, versions_of

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from hybridflow.exceptions import ConfigError
 from hybridflow.utils.triton import ModelConfigSpec, render_model_config
 
