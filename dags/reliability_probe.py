@@ -1,9 +1,10 @@
 """
 ### Reliability probe (test only)
 
-One GPU job on `gpu-training` that only sleeps, followed by the deferrable Slurm operator. The reliability
-tests (`tests/reliability/`) trigger it on the running Airflow, then mark the task failed or restart the
-triggerer while it is deferred, and check what happened to the Slurm job. Not for production use.
+One GPU job on `gpu-training` that only sleeps, followed by the deferrable Slurm operator, in the
+`gpu_training` pool like the nightly training job. The reliability tests (`tests/reliability/`) trigger it on
+the running Airflow, then mark the task failed or restart the triggerer while it is deferred, or start 20 runs
+at once, and check what happened to the Slurm jobs. Not for production use.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ with DAG(
     dag_id="reliability_probe",
     schedule=None,
     catchup=False,
+    max_active_runs=25,  # the load test starts 20 at once; the pool, not this, must hold them back
     default_args=DEFAULT_ARGS,
     tags=["test"],
     doc_md=__doc__,
@@ -37,4 +39,5 @@ with DAG(
         log_dir=f"{config.storage.root}/runs/reliability_probe/logs",
         ssh_conn_id=config.cluster.ssh_conn_id,
         poll_interval_s=2,
+        pool="gpu_training",
     )

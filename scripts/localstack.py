@@ -423,6 +423,8 @@ SlurmUser=slurm
 AuthType=auth/munge
 # Also the delay before a requeued job is eligible again (default 120 s).
 AuthInfo=cred_expire=10
+# Bind slurmctld and slurmd to their configured 127.0.0.1 instead of every address.
+CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 StateSaveLocation={sd}/ctld
 SlurmdSpoolDir={sd}/d
 SlurmctldPidFile={sd}/run/slurmctld.pid

@@ -1,0 +1,421 @@
+"""Issue 7, Airflow side: faults injected around a deferrable SlurmSubmitOperator on the real local stack.
+
+Each test states what it injects, checks that nothing was lost (the run ends as it should, exactly one Slurm
+job carries the task's deterministic name) and prints its figures as a ``RELIABILITY`` line.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from airflow_api import trigger, wait_for_run
+from hybridflow.utils.slurm import deterministic_job_name
+
+REPO = Path(__file__).resolve().parents[2]
+LOCALSTACK = [sys.executable, str(REPO / "scripts" / "localstack.py")]
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+PROBE_DAG = "reliability_probe"
+PROBE_TASK = "sleep_job"
+LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING"}
+
+DAG_TEMPLATE = textwrap.dedent('''
+    from datetime import datetime
+    from airflow.sdk import DAG
+    from hybridflow.operators.slurm import SlurmSubmitOperator
+
+    with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False) as dag:
+        SlurmSubmitOperator(
+            task_id="job",
+            command={command!r},
+            partition="gpu-training",
+            gpus_per_node=1,
+            time_limit=5,
+            signal=None,
+            log_dir="{log_dir}",
+            poll_interval_s=2,
+            reconnect_budget_s={budget},
+            retries=0,
+        )
+''')
+
+
+def report(scenario: str, **figures) -> None:
+    line = " ".join(f"{key}={value}" for key, value in figures.items())
+    print(f"RELIABILITY {scenario} {line}", flush=True)
+
+
+def localstack(action: str, service: str) -> None:
+    done = subprocess.run([*LOCALSTACK, action, service], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"localstack {action} {service} failed:\n{done.stdout}\n{done.stderr}")
+
+
+@contextmanager
+def service_down(service: str):
+    """Stops one service of the local stack and always brings it back, even when the test fails."""
+    localstack("down", service)
+    try:
+        yield
+    finally:
+        localstack("up", service)
+
+
+def _own_pids(marker: str) -> set[int]:
+    """Our task process (``marker`` is in its command line: the run_dag DAG file) and its session."""
+    roots = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    roots.add(os.getsid(int(entry.name)))
+            except (OSError, ProcessLookupError):
+                continue
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) in roots:
+                    pids.add(int(entry.name))
+            except (OSError, ProcessLookupError):
+                continue
+    return pids
+
+
+def cut_own_ssh_connections(marker: str, ssh_port: int = 2222) -> int:
+    """Kills the sshd session processes that serve our own task process's SSH connections, and only those.
+
+    Stopping sshd stops its listener only: established sessions live on in their own processes, so without
+    this the trigger would never notice the outage. Returns how many connections were cut."""
+    mine = _own_pids(marker)
+    listing = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True).stdout
+    client_ports, server_side = set(), []
+    for line in listing.splitlines():
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        local, peer, users = fields[2], fields[3], " ".join(fields[4:])
+        pids = {int(pid) for pid in re.findall(r"pid=(\d+)", users)}
+        if peer.endswith(f":{ssh_port}") and pids & mine:
+            client_ports.add(local.rsplit(":", 1)[1])
+        elif local.endswith(f":{ssh_port}"):
+            server_side.append((peer.rsplit(":", 1)[1], pids))
+    targets = {pid for port, pids in server_side if port in client_ports for pid in pids}
+    for pid in targets:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(client_ports)
+
+
+@contextmanager
+def sshd_outage(marker: str):
+    """sshd stopped and our own established SSH connections cut; sshd always comes back."""
+    with service_down("sshd"):
+        yield cut_own_ssh_connections(marker)
+
+
+def jobs_with_name(name: str) -> dict[str, str]:
+    """job id -> state of every job with exactly this name, from the queue and from accounting."""
+    from hybridflow.hooks.slurm import SlurmHook
+
+    hook = SlurmHook()
+    try:
+        queued = hook.run(["squeue", "--states=all", "--noheader", f"--name={name}", "-o", "%i|%T"]).stdout
+        accounted = hook.run(["sacct", "-X", "-P", "-n", "--starttime=now-1days", f"--name={name}",
+                              "--format=JobID,State"]).stdout
+    finally:
+        hook.close()
+    jobs: dict[str, str] = {}
+    for line in (accounted + queued).splitlines():  # the queue's state is the fresher one
+        if "|" in line:
+            job_id, state = line.split("|", 1)
+            jobs[job_id.strip()] = state.split()[0]
+    return jobs
+
+
+def jobs_named_like(prefix: str) -> dict[str, str]:
+    """Like ``jobs_with_name`` for names starting with ``prefix`` (run_dag DAGs use a random dag id)."""
+    from hybridflow.hooks.slurm import SlurmHook
+
+    hook = SlurmHook()
+    try:
+        accounted = hook.run(["sacct", "-X", "-P", "-n", "--starttime=now-1days",
+                              "--format=JobID,JobName,State"]).stdout
+        queued = hook.run(["squeue", "--states=all", "--noheader", "-o", "%i|%j|%T"]).stdout
+    finally:
+        hook.close()
+    jobs: dict[str, str] = {}
+    for line in (accounted + queued).splitlines():
+        parts = line.split("|")
+        if len(parts) == 3 and parts[1].startswith(prefix):
+            jobs[parts[0].strip()] = parts[2].split()[0]
+    return jobs
+
+
+def wait_until(what: str, check, timeout_s: float, every_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def cancel_all(job_ids) -> None:
+    from hybridflow.hooks.slurm import SlurmHook
+
+    if not job_ids:
+        return
+    hook = SlurmHook()
+    try:
+        hook.run(["scancel", *job_ids])
+    finally:
+        hook.close()
+
+
+def slurm_dag(dag_id: str, log_dir: str, sleep_s: int, budget: float = 300.0) -> str:
+    script = f"sleep {sleep_s}; echo finished-once"
+    return DAG_TEMPLATE.format(dag_id=dag_id, command=["bash", "-c", script], log_dir=log_dir, budget=budget)
+
+
+def kill_task_process(proc) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def job_output(log_dir: str, job_id: str) -> str:
+    from hybridflow.hooks.slurm import SlurmHook
+
+    hook = SlurmHook()
+    try:
+        return hook.run(["bash", "-c", f"cat {log_dir}/*-{job_id}.out"]).stdout
+    finally:
+        hook.close()
+
+
+def test_task_process_killed_again_and_again_always_reattaches_to_the_one_job(run_dag, log_dir):
+    """Injected: SIGKILL of the whole task process group right after submission, then N times at random
+    moments while the job runs (before, during and after deferral), then once at resume after the job ended;
+    each time the task is run again for the same DAG run. Survives: the one job; the last run ends on it."""
+    kills_wanted = 10
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    dag_id = f"r_kill_{uuid.uuid4().hex[:6]}"
+    source = slurm_dag(dag_id, log_dir, sleep_s=75)
+    logical_date = "2026-01-02T00:00:00+00:00"
+    prefix = f"hf-{dag_id}-job-"
+    max_jobs_seen = 0
+    moments = []
+    try:
+        first = run_dag(source, dag_id, logical_date=logical_date, background=True)
+        wait_until("the first submission", lambda: jobs_named_like(prefix), timeout_s=120, every_s=0.2)
+        kill_task_process(first)
+        moments.append("after-submit")
+        (job_id,) = jobs_named_like(prefix)
+
+        kills_while_live = 0
+        for _ in range(kills_wanted):
+            proc = run_dag(source, dag_id, logical_date=logical_date, background=True)
+            time.sleep(rng.uniform(1.0, 9.0))
+            kill_task_process(proc)
+            jobs = jobs_named_like(prefix)
+            max_jobs_seen = max(max_jobs_seen, len(jobs))
+            assert list(jobs) == [job_id], f"a killed try resubmitted: {jobs}"
+            kills_while_live += jobs[job_id] in LIVE
+            moments.append("live" if jobs[job_id] in LIVE else "ended")
+
+        wait_until("the job to end", lambda: jobs_named_like(prefix).get(job_id) == "COMPLETED",
+                   timeout_s=120, every_s=1)
+        at_resume = run_dag(source, dag_id, logical_date=logical_date, background=True)
+        time.sleep(rng.uniform(3.0, 8.0))
+        kill_task_process(at_resume)
+        moments.append("after-end")
+
+        result = run_dag(source, dag_id, logical_date=logical_date, timeout_s=180)
+        jobs = jobs_named_like(prefix)
+        max_jobs_seen = max(max_jobs_seen, len(jobs))
+        report("task-kill", seed=seed, kills=len(moments), kills_while_job_live=kills_while_live,
+               kills_after_submit=1, kills_after_job_end=len(moments) - 1 - kills_while_live,
+               jobs_found=len(jobs), max_jobs_seen=max_jobs_seen, final_state=result["state"])
+        assert result["state"] == "success", result["log"][-3000:]
+        assert "Reattaching to Slurm job" in result["log"]
+        assert list(jobs) == [job_id] and jobs[job_id] == "COMPLETED"
+        assert result["tasks"]["job"]["xcom"]["slurm_job_id"] == job_id
+        assert job_output(log_dir, job_id).count("finished-once") == 1
+    finally:
+        cancel_all([j for j, state in jobs_named_like(prefix).items() if state in LIVE])
+
+
+def probe_job(run_id: str) -> tuple[str, str] | None:
+    jobs = jobs_with_name(deterministic_job_name(PROBE_DAG, PROBE_TASK, run_id))
+    return next(iter(jobs.items()), None)
+
+
+def ti_state(api, run_id: str) -> str | None:
+    return api.get(f"/api/v2/dags/{PROBE_DAG}/dagRuns/{run_id}/taskInstances/{PROBE_TASK}")["state"]
+
+
+def trigger_follows(api, run_id: str, job_id: str) -> bool:
+    """The trigger has started and seen the job: its own log line is in the task log the UI shows."""
+    path = f"/api/v2/dags/{PROBE_DAG}/dagRuns/{run_id}/taskInstances/{PROBE_TASK}/logs/1?full_content=true"
+    lines = api.get(path)["content"]
+    return any(isinstance(line, dict) and line.get("event") == f"Slurm job {job_id} is RUNNING" for line in lines)
+
+
+def wait_deferred_with_running_job(api, run_id: str) -> str:
+    # The triggerer starts a new trigger within a second or two of the deferral. Marking the task failed before
+    # that leaves no trigger to cancel the job (Airflow deletes the trigger row unstarted); a person marks it
+    # failed after seeing it run, so wait for the trigger's own "is RUNNING" line.
+    def ready():
+        job = probe_job(run_id)
+        return (job and job[1] == "RUNNING" and ti_state(api, run_id) == "deferred"
+                and trigger_follows(api, run_id, job[0]) and job[0])
+
+    return wait_until("the probe task deferred with its job RUNNING", ready, timeout_s=180, every_s=1)
+
+
+def test_marking_the_deferred_task_failed_through_rest_cancels_its_slurm_job(api):
+    """Injected: PATCH the deferred task instance to failed through the running Airflow's REST API, as the
+    UI's "Mark as failed" does. Expected: the trigger's on_kill cancels the Slurm job within 10 s."""
+    run_id = trigger(api, PROBE_DAG, {"sleep_s": 120})
+    job_id = None
+    try:
+        job_id = wait_deferred_with_running_job(api, run_id)
+        started = time.monotonic()
+        ti_path = f"/api/v2/dags/{PROBE_DAG}/dagRuns/{run_id}/taskInstances/{PROBE_TASK}"
+        api.patch(ti_path, {"new_state": "failed"})
+
+        def cancelled():
+            job = probe_job(run_id)
+            return job and job[1] not in LIVE and job[1]
+
+        final = wait_until("the Slurm job to be cancelled", cancelled, timeout_s=40, every_s=0.5)
+        seconds = time.monotonic() - started
+        report("mark-failed", job_id=job_id, seconds_to_cancel=f"{seconds:.1f}", job_state=final,
+               ti_state=ti_state(api, run_id))
+        assert final == "CANCELLED"
+        assert seconds <= 10, f"the job was cancelled only after {seconds:.1f} s"
+    finally:
+        if job_id:
+            cancel_all([job_id])
+
+
+def test_triggerer_restart_while_deferred_resumes_and_the_task_succeeds_on_the_same_job(api):
+    """Injected: stop the running Airflow's triggerer while the probe task is deferred, start it again.
+    Survives: the trigger (resumed from its serialized kwargs) and the job; the run succeeds on that job."""
+    run_id = trigger(api, PROBE_DAG, {"sleep_s": 30})
+    job_id = None
+    try:
+        job_id = wait_deferred_with_running_job(api, run_id)
+        stopped = time.monotonic()
+        with service_down("airflow-triggerer"):
+            time.sleep(5)
+        down_s = time.monotonic() - stopped
+        state = wait_for_run(api, PROBE_DAG, run_id, timeout_s=240)
+        jobs = jobs_with_name(deterministic_job_name(PROBE_DAG, PROBE_TASK, run_id))
+        report("triggerer-restart", job_id=job_id, triggerer_down_s=f"{down_s:.0f}", run_state=state,
+               jobs_found=len(jobs), job_state=jobs.get(job_id))
+        assert state == "success"
+        assert jobs == {job_id: "COMPLETED"}
+    finally:
+        if job_id and probe_job(run_id) and probe_job(run_id)[1] in LIVE:
+            cancel_all([job_id])
+
+
+def run_in_thread(run_dag, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = run_dag(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def joined(thread: threading.Thread, box: dict, timeout_s: float) -> dict:
+    thread.join(timeout_s)
+    assert not thread.is_alive(), "the DAG run did not finish"
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succeeds(run_dag, log_dir):
+    """Injected: the login node's sshd stopped for ~30 s while the trigger follows the job (budget 300 s).
+    Survives: the trigger, the job; the task succeeds with exactly one job."""
+    dag_id = f"r_sshd_{uuid.uuid4().hex[:6]}"
+    prefix = f"hf-{dag_id}-job-"
+    thread, box = run_in_thread(run_dag, slurm_dag(dag_id, log_dir, sleep_s=50), dag_id, timeout_s=300)
+    try:
+        wait_until("the job to run", lambda: "RUNNING" in jobs_named_like(prefix).values(), timeout_s=120)
+        time.sleep(4)  # deferred by now: the trigger is polling
+        stopped = time.monotonic()
+        with sshd_outage(f"{dag_id}.py") as cut:
+            time.sleep(30)
+        down_s = time.monotonic() - stopped
+        result = joined(thread, box, 240)
+        jobs = jobs_named_like(prefix)
+        saw_loss = "SSH lost" in result["log"]
+        report("sshd-down-short", sshd_down_s=f"{down_s:.0f}", connections_cut=cut, trigger_saw_loss=saw_loss,
+               run_state=result["state"],
+               jobs_found=len(jobs))
+        assert cut >= 1 and saw_loss, "the outage never reached the trigger"
+        assert result["state"] == "success", result["log"][-3000:]
+        assert len(jobs) == 1 and set(jobs.values()) == {"COMPLETED"}
+    finally:
+        cancel_all([j for j, state in jobs_named_like(prefix).items() if state in LIVE])
+
+
+def test_sshd_down_past_the_reconnect_budget_fails_clearly_and_a_rerun_reattaches(run_dag, log_dir):
+    """Injected: sshd stopped for longer than the operator's reconnect budget (15 s). Expected: the task fails
+    with a message naming the connection's host and the remedy; the job runs on; rerunning the task for the
+    same DAG run reattaches to it and succeeds."""
+    dag_id = f"r_sshd_budget_{uuid.uuid4().hex[:6]}"
+    prefix = f"hf-{dag_id}-job-"
+    source = slurm_dag(dag_id, log_dir, sleep_s=70, budget=15)
+    logical_date = "2026-01-03T00:00:00+00:00"
+    thread, box = run_in_thread(run_dag, source, dag_id, logical_date=logical_date, timeout_s=300)
+    try:
+        wait_until("the job to run", lambda: "RUNNING" in jobs_named_like(prefix).values(), timeout_s=120)
+        time.sleep(4)
+        stopped = time.monotonic()
+        with sshd_outage(f"{dag_id}.py") as cut:
+            thread.join(60)  # the trigger gives up after the 15 s budget (plus its backoff)
+        down_s = time.monotonic() - stopped
+        failed = joined(thread, box, 120)
+        log = failed["log"]
+        (job_id, state_after) = next(iter(jobs_named_like(prefix).items()))
+        rerun = run_dag(source, dag_id, logical_date=logical_date, timeout_s=180)
+        jobs = jobs_named_like(prefix)
+        report("sshd-down-over-budget", budget_s=15, sshd_down_s=f"{down_s:.0f}", connections_cut=cut,
+               first_state=failed["state"],
+               job_state_after_sshd_back=state_after, rerun_state=rerun["state"], jobs_found=len(jobs))
+        assert failed["state"] == "failed", log[-3000:]
+        clear = ("lost SSH to the login node", "127.0.0.1", "clear the task: it reattaches", "Runbook:")
+        assert any(all(part in line for part in clear) for line in log.splitlines()), log[-3000:]
+        assert state_after == "RUNNING"
+        assert rerun["state"] == "success", rerun["log"][-3000:]
+        assert "Reattaching to Slurm job" in rerun["log"]
+        assert list(jobs) == [job_id] and jobs[job_id] == "COMPLETED"
+    finally:
+        cancel_all([j for j, state in jobs_named_like(prefix).items() if state in LIVE])
