@@ -6,7 +6,10 @@ hyperparameters and ``clip_grad_norm_``. Both start from the same weights and ta
 same synthetic rows. Timing alternates short windows of each loop and reports the median of each, so load from
 other processes on a shared machine hits both alike.
 
-Prints ``RESULT training deepspeed_steps_per_s=<x> torch_steps_per_s=<y>``; ``main()`` returns the figures.
+Prints ``RESULT training deepspeed_steps_per_s=<x> torch_steps_per_s=<y> deepspeed_rows_per_s=<r>
+gpu_mean_util_pct=<u>``; ``main()`` returns the figures. Rows are this tabular model's tokens. On a GPU machine
+(CUDA torch, nvidia-smi on PATH) the same command measures the GPU: NCCL, one GPU, and nvidia-smi sampled every
+second while the loops run; without one, utilization is "not measured", never invented.
 Environment: BENCH_TRAINING_PRESET (default small), BENCH_TRAINING_BATCH (256), BENCH_TRAINING_STEPS (steps
 per window, 60), BENCH_TRAINING_ROUNDS (15), BENCH_TRAINING_THREADS (torch threads, 1: on a shared 2-core
 machine a second intra-op thread made both loops several times slower and noisier), BENCH_TRAINING_ZERO_STAGE
@@ -20,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ sys.path.insert(0, str(REPO / "jobs"))
 
 from hybridtrain.config import DEFAULT_MODEL_PRESETS_PATH, deepspeed_settings_for_run, load_model_presets  # noqa: E402
 from hybridtrain.engine import init_engine  # noqa: E402
+from hybridtrain.gpu import GpuSampler, read_gpu_metrics, summarise_gpu_metrics  # noqa: E402
 from hybridtrain.launch import distributed_environment, free_port  # noqa: E402
 from hybridtrain.model import build_network, count_parameters  # noqa: E402
 
@@ -136,10 +141,17 @@ def main() -> dict:
     _deepspeed_window(engine, batches, 0, WARMUP_STEPS, device)
     _torch_window(reference, optimizer, batches, 0, WARMUP_STEPS, device)
     deepspeed_rates, torch_rates = [], []
-    for index in range(rounds):
-        first = WARMUP_STEPS + index * steps
-        deepspeed_rates.append(_deepspeed_window(engine, batches, first, steps, device))
-        torch_rates.append(_torch_window(reference, optimizer, batches, first, steps, device))
+    samples_path = Path(tempfile.mkdtemp(prefix="bench-training-")) / "gpu_metrics.jsonl"
+    sampler = GpuSampler(samples_path, interval_s=1.0)
+    sampler.start()
+    try:
+        for index in range(rounds):
+            first = WARMUP_STEPS + index * steps
+            deepspeed_rates.append(_deepspeed_window(engine, batches, first, steps, device))
+            torch_rates.append(_torch_window(reference, optimizer, batches, first, steps, device))
+    finally:
+        sampler.stop()
+    gpu = summarise_gpu_metrics(read_gpu_metrics(samples_path))
 
     deepspeed_rate = statistics.median(deepspeed_rates)
     torch_rate = statistics.median(torch_rates)
@@ -157,12 +169,16 @@ def main() -> dict:
         "steps_per_round": steps,
         "rounds": rounds,
         "zero_stage": zero_stage,
-        "device": device.type,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
     }
+    utilization = gpu.get("mean_utilization_pct")
     print(
         f"RESULT training deepspeed_steps_per_s={result['deepspeed_steps_per_s']} "
-        f"torch_steps_per_s={result['torch_steps_per_s']}",
+        f"torch_steps_per_s={result['torch_steps_per_s']} "
+        f"deepspeed_rows_per_s={result['deepspeed_samples_per_s']} "
+        f"gpu_mean_util_pct={utilization if utilization is not None else 'not_measured'}",
         flush=True,
     )
     return result
