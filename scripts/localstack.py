@@ -679,6 +679,9 @@ def start_triton() -> int:
         # A deploy whose model fails to load must not mark the whole server unready (and pull the versions
         # that still serve out of a load balancer): readiness is judged per model by the deploy operator.
         "--strict-readiness=false",
+        # A restart serves again what each model's config.pbtxt version policy names (explicit mode starts empty
+        # otherwise); one model failing to load there must not keep the server, and every other model, down.
+        "--load-model=*", "--exit-on-error=false",
         f"--backend-config=python,shm-region-prefix-name=hybridflow{STACK['triton_http_port']}",
     ]
     return spawn(cmd, P.logs / "triton.log", env=triton_env())

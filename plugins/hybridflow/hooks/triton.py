@@ -5,6 +5,7 @@ model repository it serves from (a local directory or S3), written so a half-pub
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import shutil
 import time
@@ -34,6 +35,17 @@ if TYPE_CHECKING:
     import numpy as np
 
     from hybridflow.hooks.storage import StorageHook
+
+
+class ServerUnavailable(TritonError):
+    """The server did not answer: down, restarting or shutting down. It says nothing about the model: the deploy
+    waits for the server and rolls back instead of judging the version on it."""
+
+
+def _unavailable(exc) -> bool:
+    """gRPC's UNAVAILABLE is the transport's (refused, reset) or a server shutting down ("Server exiting");
+    Triton answers a model that is missing or failed with NOT_FOUND, INVALID_ARGUMENT or INTERNAL."""
+    return exc.status() == "StatusCode.UNAVAILABLE"
 
 
 class TritonHook(BaseHook):
@@ -162,9 +174,12 @@ class TritonHook(BaseHook):
         try:
             return fn(*args, headers=self.headers or None, **kwargs)
         except InferenceServerException as exc:
-            raise TritonError(f"Triton at {url}: {what} failed: {exc.message()}") from exc
-        except OSError as exc:
-            raise TritonError(
+            error = ServerUnavailable if _unavailable(exc) else TritonError
+            raise error(f"Triton at {url}: {what} failed: {exc.message()}") from exc
+        except TimeoutError as exc:  # an OSError too, but a hung server is not one that went away
+            raise TritonError(f"Triton at {url} did not answer in time during {what}: {exc!r}") from exc
+        except (OSError, http.client.HTTPException) as exc:  # geventhttpclient: a closed connection is the latter
+            raise ServerUnavailable(
                 f"Triton at {url} is unreachable during {what}: {exc}; check that the server runs and the "
                 f"connection {self.triton_conn_id!r} points at it"
             ) from exc
@@ -174,6 +189,34 @@ class TritonHook(BaseHook):
             return bool(self._call("server readiness", self.client.is_server_ready))
         except TritonError:
             return False
+
+    def check_server(self) -> None:
+        """Raises :class:`ServerUnavailable` unless the server says it is ready on a new HTTP connection: a
+        server told to stop refuses new connections at once, but for up to its exit timeout it still answers,
+        ready, on the connections it has and on gRPC."""
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(url=self.http_url, connection_timeout=10, network_timeout=10)
+        try:
+            ready = self._call("server readiness", client.is_server_ready, url=self.http_url)
+        finally:
+            client.close()
+        if not ready:
+            raise ServerUnavailable(f"Triton at {self.http_url} is not ready: it is shutting down or starting")
+
+    def wait_server_ready(self, timeout_s: float, poll_interval_s: float = 1.0) -> float | None:
+        """Seconds until :meth:`check_server` passes, or None after ``timeout_s``. The cached clients are
+        dropped: a gRPC channel that saw the server go away backs off for up to minutes before it tries again."""
+        started = time.monotonic()
+        self.close()
+        while True:
+            try:
+                self.check_server()
+                return time.monotonic() - started
+            except TritonError:
+                if time.monotonic() - started > timeout_s:
+                    return None
+            time.sleep(poll_interval_s)
 
     def is_model_ready(self, name: str, version: str | int = "") -> bool:
         try:
@@ -257,20 +300,41 @@ class TritonHook(BaseHook):
         try:
             return await coro
         except InferenceServerException as exc:
-            raise TritonError(f"Triton at {self.grpc_url}: {what} failed: {exc.message()}") from exc
-        except (TimeoutError, OSError) as exc:
-            raise TritonError(f"Triton at {self.grpc_url} is unreachable during {what}: {exc!r}") from exc
+            error = ServerUnavailable if _unavailable(exc) else TritonError
+            raise error(f"Triton at {self.grpc_url}: {what} failed: {exc.message()}") from exc
+        except TimeoutError as exc:  # an OSError too, but a hung server is not one that went away
+            raise TritonError(f"Triton at {self.grpc_url} did not answer in time during {what}: {exc!r}") from exc
+        except OSError as exc:
+            raise ServerUnavailable(f"Triton at {self.grpc_url} is unreachable during {what}: {exc!r}") from exc
 
     async def aload_model(self, control, name: str, timeout_s: float | None = None) -> None:
         await self._acall(f"load of model {name}",
                           control.load_model(name, headers=self.headers or None, client_timeout=timeout_s))
 
     async def ais_model_ready(self, control, name: str, version: int | str = "") -> bool:
+        """False while the version is not ready; raises :class:`ServerUnavailable` when the server is away."""
         try:
             return bool(await self._acall(f"readiness of {name}",
                                           control.is_model_ready(name, str(version), headers=self.headers or None)))
+        except ServerUnavailable:
+            raise
         except TritonError:
             return False
+
+    async def acheck_server(self) -> None:
+        """:meth:`check_server` without blocking the event loop (triggers)."""
+        import tritonclient.http.aio as http_aio
+
+        client = http_aio.InferenceServerClient(url=self.http_url, conn_timeout=10)
+        try:
+            ready = await client.is_server_ready(headers=self.headers or None)
+        except Exception as exc:  # refused, reset, closed or timed out: it is not answering
+            raise ServerUnavailable(f"Triton at {self.http_url} is unreachable during server readiness: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            await client.close()
+        if not ready:
+            raise ServerUnavailable(f"Triton at {self.http_url} is not ready: it is shutting down or starting")
 
     async def amodel_versions(self, control, name: str) -> dict[int, dict]:
         index = await self._acall("repository index", control.get_model_repository_index(

@@ -183,9 +183,14 @@ class TritonServingOperator(BaseOperator):
                            f"{self.model_name}/{version}/{SMOKE_FILE}")
 
     def smoke_test(self, version: int, smoke: SmokeSet) -> SmokeResult:
-        """The smoke inputs through the server, to this exact version; a failed request fails the test."""
+        """The smoke inputs through the server, to this exact version; a failed request fails the test, a server
+        that went away raises :class:`ServerUnavailable` (it says nothing about the version)."""
+        from hybridflow.hooks.triton import ServerUnavailable
+
         try:
             outputs = self.hook.infer(self.model_name, smoke.inputs, version=version)
+        except ServerUnavailable:
+            raise
         except TritonError as exc:
             self.log.warning("smoke request failed: %s", exc)
             return smoke.check([])
@@ -230,6 +235,10 @@ class TritonDeployOperator(TritonServingOperator):
        the new version is unloaded, the previous never stopped serving), then raise :class:`ModelRolledBack`
        (retried: a latency breach or a load timeout may pass next time) or, when the server refused the load or
        the outputs were wrong, the same message as ``AirflowFailException`` (a retry cannot help).
+
+    A server that restarts (or crashes, or shuts down) between the load and the promotion: the config is pointed
+    back at ``[previous]`` at once (a server starting loads what it names), the task waits up to
+    ``readiness_timeout_s`` for the server to answer, rolls back and raises :class:`ModelRolledBack` (retried).
 
     Returns, and pushes to XCom ``deploy_report`` also before raising: ``model``, ``version``,
     ``previous_version``, ``promoted``, ``load_s``, ``smoke`` {rows, max_abs_error, atol}, ``latency``
@@ -336,7 +345,7 @@ class TritonDeployOperator(TritonServingOperator):
             self.hook.close()
 
     def _release(self, context: Context, event: dict[str, Any]) -> dict:
-        from hybridflow.utils.triton import VersionStatus
+        from hybridflow.hooks.triton import ServerUnavailable
 
         carry = event["carry"]
         version, previous = carry["version"], carry["previous_version"]
@@ -347,13 +356,23 @@ class TritonDeployOperator(TritonServingOperator):
             "status_url": self.status_url, "slo_p99_ms": self.slo_p99_ms, "load_s": None, "smoke": None,
             "latency": None, "reason": None,
         }
+        if event["status"] == "restarted":
+            return self._server_went_away(context, report, carry, event["message"])
         if event["status"] != "ready":
             # A load the server refused will be refused again; one that ran out of time may not.
             return self._roll_back(context, report, carry, f"version {version} did not load: {event['message']}",
                                    retryable=event["status"] != "failed")
         report["load_s"] = event.get("load_s")
         self.log.info("%s version %s READY after %.2f s", self.model_name, version, report["load_s"] or 0)
+        try:
+            return self._prove_and_promote(context, report, carry)
+        except ServerUnavailable as exc:
+            return self._server_went_away(context, report, carry, str(exc))
 
+    def _prove_and_promote(self, context: Context, report: dict, carry: dict) -> dict:
+        from hybridflow.utils.triton import VersionStatus
+
+        version, previous = carry["version"], carry["previous_version"]
         smoke_set = self.smoke_set(version)
         smoke = self.smoke_test(version, smoke_set)
         report["smoke"] = smoke.to_dict()
@@ -364,6 +383,9 @@ class TritonDeployOperator(TritonServingOperator):
         latency = self.hook.measure_latency(self.model_name, version, smoke_set.inputs, concurrency=self.concurrency,
                                             requests=self.gate_requests)
         report["latency"] = latency.to_dict()
+        # A server shutting down still answers for a while (it drains its connections): failed or slow requests
+        # may be that, not the version, and what the version proved there does not outlive the restart.
+        self.hook.check_server()
         breach = latency.breach(self.slo_p99_ms)
         if breach:
             return self._roll_back(context, report, carry, f"latency gate failed: {breach}", retryable=True)
@@ -377,7 +399,9 @@ class TritonDeployOperator(TritonServingOperator):
         context["ti"].xcom_push(key=XCOM_REPORT, value=report)
         return report
 
-    def _roll_back(self, context: Context, report: dict, carry: dict, reason: str, retryable: bool) -> dict:
+    def _roll_back(self, context: Context, report: dict, carry: dict, reason: str, retryable: bool,
+                   restarted: bool = False) -> dict:
+        from hybridflow.hooks.triton import ServerUnavailable
         from hybridflow.utils.triton import VersionStatus
 
         version, previous = carry["version"], carry["previous_version"]
@@ -391,17 +415,50 @@ class TritonDeployOperator(TritonServingOperator):
                 self.serve_versions(carry["n_features"], (previous,))
             if previous != version:
                 self.mark(version, VersionStatus.ROLLED_BACK, reason)
+        except ServerUnavailable as exc:
+            if restarted:
+                context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+                raise TritonError(f"{self.model_name} version {version} failed ({reason}) and the server went away "
+                                  f"again during the rollback to version {previous}: {exc}. "
+                                  f"Runbook: {self.runbook}") from exc
+            return self._server_went_away(context, report, carry, f"{exc}, while rolling back because {reason}")
         except TritonError as exc:
             context["ti"].xcom_push(key=XCOM_REPORT, value=report)
             raise TritonError(f"{self.model_name} version {version} failed ({reason}) and the rollback to version "
                               f"{previous} failed too: {exc}. Runbook: {self.runbook}") from exc
-        still = self.hook.ready_versions(self.model_name)
+        try:
+            still: list[int] | str = self.hook.ready_versions(self.model_name)
+        except ServerUnavailable as exc:  # rolled back already; the server is going away again (a restart)
+            still = f"unknown, {exc}"
         context["ti"].xcom_push(key=XCOM_REPORT, value=report)
         serving = f"version {previous} keeps serving" if previous is not None else "nothing was serving before"
         error = ModelRolledBack(
             f"{self.model_name} version {version} was rolled back: {reason}. {serving} (READY now: {still}). "
             f"Figures: {self._figures(report)}. Runbook: {self.runbook}", report)
         raise error if retryable else final(error)
+
+    def _server_went_away(self, context: Context, report: dict, carry: dict, cause: str) -> dict:
+        """The server restarted (or crashed) mid-deploy: point the config back at the previous version first, so
+        a server starting now loads only that, wait for it to answer, then roll back as usual (retried)."""
+        version, previous = carry["version"], carry["previous_version"]
+        self.log.error("Triton went away mid-deploy of %s version %s: %s", self.model_name, version, cause)
+        if previous not in (None, version):
+            self.repo.write_config(self.model_name, self.render_config(carry["n_features"], (previous,)))
+        back_s = self.hook.wait_server_ready(self.readiness_timeout_s, self.poll_interval_s)
+        reason = f"the Triton server restarted mid-deploy ({cause})"
+        if back_s is None:
+            report["reason"] = reason
+            context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+            if previous is None:
+                serves = (f"its config names version {version}, which it will load when it starts: unload the "
+                          "model or rerun this task")
+            else:
+                serves = f"its config names only version {previous}, which it will serve when it starts"
+            raise TritonError(f"{self.model_name} version {version} is not released: {reason}, and the server did "
+                              f"not answer again within {self.readiness_timeout_s:.0f} s; {serves}. "
+                              f"Runbook: {self.runbook}")
+        return self._roll_back(context, report, carry, f"{reason}; it answered again {back_s:.1f} s later",
+                               retryable=True, restarted=True)
 
     @staticmethod
     def _figures(report: dict) -> str:

@@ -10,16 +10,18 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from hybridflow.exceptions import TritonError
-from hybridflow.hooks.triton import TritonHook
+from hybridflow.hooks.triton import ServerUnavailable, TritonHook
 
 
 class TritonModelReadyTrigger(BaseTrigger):
     """
     Asks the server (explicit model control, over gRPC) to load ``model_name`` with the version policy its
     repository config names, then polls until ``version`` is READY. Yields exactly one event:
-    ``{"status": "ready"|"failed"|"timeout"|"error", "model", "version", "load_s", "message", "versions",
-    "carry"}``
+    ``{"status": "ready"|"failed"|"timeout"|"error"|"restarted", "model", "version", "load_s", "message",
+    "versions", "carry"}``
     where ``message`` carries the server's own error text and ``versions`` the model's states and reasons.
+    ``restarted``: the server went away meanwhile (restart, crash, shutdown), sent at once so that the task
+    points the config back at the previous version before a restarting server reads it.
 
     :param triton_conn_id: connection of type ``triton``.
     :param model_name: the model to load.
@@ -77,8 +79,16 @@ class TritonModelReadyTrigger(BaseTrigger):
             await control.close()
 
     async def _follow(self, hook: TritonHook, control) -> dict[str, Any]:
-        deadline = self.started_at + self.timeout_s
         self._load_started = time.monotonic()
+        try:
+            return await self._load_and_wait(hook, control)
+        except ServerUnavailable as exc:
+            self.log.warning("%s version %s: the server went away: %s", self.model_name, self.version, exc)
+            return self._event("restarted", f"the server went away while {self.model_name} version {self.version} "
+                                            f"was loading ({exc})")
+
+    async def _load_and_wait(self, hook: TritonHook, control) -> dict[str, Any]:
+        deadline = self.started_at + self.timeout_s
         if self.load:
             # The server answers once every version of the new policy is loaded, or one failed.
             load = asyncio.ensure_future(hook.aload_model(control, self.model_name,
@@ -87,8 +97,12 @@ class TritonModelReadyTrigger(BaseTrigger):
             if not done:
                 load.cancel()
                 return await self._timeout(hook, control)
+            if isinstance(load.exception(), ServerUnavailable):
+                raise load.exception()
             if load.exception() is not None:
                 return self._event("failed", str(load.exception()), await self._versions(hook, control))
+            # A server told to stop still finishes the load in flight: READY on it would not outlive the restart.
+            await hook.acheck_server()
             if await hook.ais_model_ready(control, self.model_name, self.version):
                 return self._event("ready", f"{self.model_name} version {self.version} is ready")
             versions = await self._versions(hook, control)

@@ -304,3 +304,38 @@ def test_triton_model_status_link_points_at_the_deployed_version():
     operator.status_url = "http://h:8000/v2/models/m/versions/2"
     assert TritonModelStatusLink().get_link(operator, ti_key=None) == operator.status_url
     assert TritonModelStatusLink.name == "Model status"
+
+
+@pytest.mark.parametrize(
+    "error, unavailable",
+    [
+        ("unavailable", True),  # gRPC UNAVAILABLE: refused, reset, "Server exiting"
+        (ConnectionRefusedError(111, "Connection refused"), True),
+        ("closed", True),  # geventhttpclient's closed connection is an http.client.HTTPException
+        ("not_found", False),  # the model's own errors say nothing about the server
+        ("invalid", False),
+        (TimeoutError("timed out"), False),  # a hung server did not go away
+    ],
+)
+def test_triton_hook_tells_a_server_that_went_away_from_a_model_error(error, unavailable):
+    from types import SimpleNamespace
+
+    from geventhttpclient.response import HTTPConnectionClosed
+    from hybridflow.hooks.triton import ServerUnavailable, TritonHook
+    from tritonclient.utils import InferenceServerException
+
+    errors = {
+        "unavailable": InferenceServerException("Server exiting", status="StatusCode.UNAVAILABLE"),
+        "closed": HTTPConnectionClosed("connection closed."),
+        "not_found": InferenceServerException("Request for unknown model", status="StatusCode.NOT_FOUND"),
+        "invalid": InferenceServerException("load failed for model 'm'", status="StatusCode.INVALID_ARGUMENT"),
+    }
+
+    def call(**_):
+        raise errors.get(error, error) if isinstance(error, str) else error
+
+    hook = TritonHook("triton_unit")
+    hook.__dict__["connection"] = SimpleNamespace(host="h", port=8000, password=None, extra_dejson={})
+    with pytest.raises(TritonError) as raised:
+        hook._call("inference on m", call)
+    assert isinstance(raised.value, ServerUnavailable) is unavailable
