@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from airflow_api import task_states, wait_for_run, xcom
+from demo import ensure_fresh_preflight
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
 
@@ -51,6 +52,8 @@ def slurm_jobs_named(prefix: str) -> list[str]:
 def test_nightly_run_produces_every_stages_output(api, stack):
     ds = "2025-06-03"
     root = storage(stack)
+    # Training refuses a missing or stale all-reduce preflight (a fresh stack has none): run it as `make demo` does.
+    ensure_fresh_preflight(api, str(root), timeout_s=600)
     run_id = trigger(api, {"model_preset": "small", "deploy": "always"}, ds)
     state = wait_for_run(api, DAG, run_id, timeout_s=900, poll_s=2)
     states = task_states(api, DAG, run_id)
