@@ -76,7 +76,9 @@ def test_nightly_features_failure_alerts_with_the_features_runbook(run_dag, stac
             _task.on_failure_callback = [OnCallNotifier(alerts_file="{sink}")]
     ''')
     try:
-        result = run_dag(source, "nightly_training", logical_date=f"{ds}T00:00:00+00:00")
+        # train=never: only the features stage may fail (on a fresh stack the all-reduce gate would fail too).
+        result = run_dag(source, "nightly_training", conf={"train": "never", "deploy": "never"},
+                         logical_date=f"{ds}T00:00:00+00:00")
     finally:
         for path in raw.iterdir():
             path.unlink()
