@@ -19,6 +19,14 @@ from hybridflow.hooks.triton import TritonHook
 DAG = "nightly_training"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def paused_afterwards(api):
+    """Pause the DAG when this module ends: the runs here unpause it, and a scheduled run of the suite's own
+    (training, deploying) must not run beside the tests that follow."""
+    yield
+    api.patch(f"/api/v2/dags/{DAG}", {"is_paused": True})
+
+
 def storage(stack) -> Path:
     return Path(stack["HYBRIDFLOW_STORAGE_ROOT"])
 
