@@ -257,14 +257,19 @@ def build(cls: type, data: Any, where: str):
     return obj
 
 
-def load_pipeline_config(path: Path | None = None) -> PipelineConfig:
+def read_yaml(path: Path, what: str) -> Any:
+    """A YAML file's data; a file that cannot be read or parsed is a ConfigError naming it and ``what`` it is."""
     import yaml
 
-    path = path or include_dir() / "config" / "pipeline.yaml"
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read the pipeline config: {exc}") from exc
+        raise ConfigError(f"{path}: cannot read the {what}: {exc}") from exc
+
+
+def load_pipeline_config(path: Path | None = None) -> PipelineConfig:
+    path = path or include_dir() / "config" / "pipeline.yaml"
+    data = read_yaml(path, "pipeline config")
     try:
         return build(PipelineConfig, data, "pipeline")
     except ConfigError as exc:

@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config import read_yaml
 from hybridflow.exceptions import ConfigError, WorkloadSpecError
 from hybridflow.paths import include_dir
 
@@ -381,14 +382,8 @@ def parse_routing_rules(data: Any, source: str = "routing rules") -> RoutingRule
 
 
 def load_routing_rules(path: Path | None = None) -> RoutingRules:
-    import yaml
-
     path = path or include_dir() / "config" / "routing.yaml"
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read the routing rules: {exc}") from exc
-    return parse_routing_rules(data, str(path))
+    return parse_routing_rules(read_yaml(path, "routing rules"), str(path))
 
 
 @lru_cache(maxsize=1)
