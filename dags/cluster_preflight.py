@@ -1,11 +1,12 @@
 """
 ### Cluster preflight: is the interconnect fast enough to train?
 
-Runs `jobs/allreduce_bench.py` as a Slurm job on the GPU partition: torch.distributed all-reduce over
-gradient-sized buffers (NCCL on GPUs, gloo on CPUs) and one measured training step. Records bus bandwidth and
-the all-reduce share of a step; fails when the share is over the configured limit (20% by default). The nightly
-training pipeline refuses to start when the last preflight failed or is stale. Runbook:
-`include/runbooks/preflight.md`.
+Runs `jobs/allreduce_bench.py` as a Slurm job on the GPU partition, one rank per GPU over `nodes` x
+`gpus_per_node` (the topology of the training it clears): torch.distributed all-reduce over gradient-sized
+buffers (NCCL on GPUs, gloo on CPUs) and one measured training step. Records bus bandwidth, the all-reduce share
+of a step and the topology; fails when the share is over the configured limit (20% by default). The nightly
+training pipeline refuses to start when the last preflight of its own topology failed, is stale or is missing.
+Runbook: `include/runbooks/preflight.md`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ with DAG(
     tags=["platform", "gpu", "preflight"],
     doc_md=__doc__,
     params={
-        "procs": Param(config.preflight.procs, type="integer", minimum=2, maximum=64,
-                       description="Ranks of the all-reduce (processes on the node)."),
+        "nodes": Param(config.preflight.nodes, type="integer", minimum=1, maximum=64,
+                       description="Nodes, as the training run to clear will use."),
+        "gpus_per_node": Param(config.preflight.ranks_per_node, type="integer", minimum=1, maximum=8,
+                               description="GPUs (ranks) per node, as the training run will use; nodes x "
+                                           "gpus_per_node must be at least 2."),
         "hidden_sizes": Param("128,64", type="string", pattern=r"^[1-9][0-9]{0,5}(,[1-9][0-9]{0,5}){0,7}$",
                               description="Hidden widths of the model whose gradients are all-reduced, e.g. "
                                           "4096,4096,2048,1024 for the production preset."),
@@ -37,11 +41,13 @@ with DAG(
     benchmark = SlurmSubmitOperator(
         task_id="allreduce_benchmark",
         command=[config.cluster.python, f"{config.cluster.jobs_dir}/allreduce_bench.py",
-                 "--out", preflight_result_path(config), "--procs", "{{ params.procs }}",
+                 "--out", preflight_result_path(config, "{{ params.nodes }}", "{{ params.gpus_per_node }}"),
                  "--hidden-sizes", "{{ params.hidden_sizes }}"],
         partition=config.cluster.partition,
-        gpus_per_node=config.preflight.gpus_per_node,
-        cpus_per_task=2,
+        nodes="{{ params.nodes }}",
+        gpus_per_node="{{ params.gpus_per_node }}",
+        ranks_per_node="{{ params.gpus_per_node }}",
+        cpus_per_task=1,
         time_limit=config.preflight.time_limit_min,
         requeue=False,
         signal=None,
@@ -51,9 +57,9 @@ with DAG(
     )
 
     @task(retries=0)  # it judges the file the benchmark wrote: a retry would read the same figures
-    def allreduce_share_gate() -> str:
+    def allreduce_share_gate(params=None) -> str:
         from hybridflow.preflight import check_latest_preflight
 
-        return check_latest_preflight(pipeline_config())
+        return check_latest_preflight(pipeline_config(), params["nodes"], params["gpus_per_node"])
 
     benchmark >> allreduce_share_gate()

@@ -2,8 +2,8 @@
 ### Nightly training pipeline
 
 One day's data through the whole estate: raw events -> **features** (Spark) -> **quality** gate -> **capacity**
-gate (free GPUs) -> **training** (DeepSpeed on the Slurm GPU partition, deferrable, resumable) -> **checkpoint**
-gate -> **evaluation** (challenger vs the model of record on the same holdout; promote only when better by the
+gate (`nodes` x `gpus` free) -> **training** (DeepSpeed on the Slurm GPU partition, one rank per GPU launched by
+`srun`, deferrable, resumable) -> **checkpoint** gate -> **evaluation** (challenger vs the model of record on the same holdout; promote only when better by the
 configured margin) -> **scoring** (Spark, with the model of record) -> **deploy** (Triton: readiness, smoke test,
 latency gate, promote or roll back) -> **report** (HTML + JSON: volumes, quality, loss curve, GPU-hours,
 utilization, cost, latency).
@@ -68,7 +68,10 @@ with DAG(
                                     "record (never in backfills); always: redeploy the model of record; never."),
         "model_preset": Param(cfg.model_preset, type="string", enum=["tiny", "small", "large"],
                               description="Network size from include/config/model_presets.json."),
-        "gpus": Param(cfg.gpus, type="integer", minimum=1, maximum=8, description="GPUs for the training job."),
+        "nodes": Param(cfg.nodes, type="integer", minimum=1, maximum=64,
+                       description="Nodes for the training job (data-parallel across nodes)."),
+        "gpus": Param(cfg.gpus, type="integer", minimum=1, maximum=8,
+                      description="GPUs per node; one DeepSpeed rank per GPU (nodes x gpus ranks in all)."),
         "epochs": Param(cfg.epochs, type="integer", minimum=1, maximum=100,
                         description="Training epochs over the window (max_steps ends training earlier)."),
         "max_steps": Param(cfg.max_steps, type="integer", minimum=1, maximum=1_000_000,
@@ -110,13 +113,13 @@ with DAG(
             return raw_is_published(config, ds)
 
         @task(retries=0)  # judges the last preflight's figures; rerun cluster_preflight instead
-        def allreduce_preflight(run_plan: dict) -> str:
+        def allreduce_preflight(run_plan: dict, params=None) -> str:
             from airflow.sdk.exceptions import AirflowSkipException
             from hybridflow.preflight import check_latest_preflight
 
             if not run_plan["train"]:
                 raise AirflowSkipException("this run does not train")
-            return check_latest_preflight(config)
+            return check_latest_preflight(config, params["nodes"], params["gpus"])
 
         run_plan = plan()
         raw_ready = raw_events_published()
@@ -150,7 +153,8 @@ with DAG(
 
     with TaskGroup("capacity", tooltip="free GPUs in the partition") as capacity:
         wait_for_gpus = SlurmCapacitySensor(
-            task_id="wait_for_gpus", partition=cluster.partition, gpus_per_node="{{ params.gpus }}",
+            task_id="wait_for_gpus", partition=cluster.partition, nodes="{{ params.nodes }}",
+            gpus_per_node="{{ params.gpus }}",
             ssh_conn_id=cluster.ssh_conn_id, deferrable=True, poke_interval=15, timeout=6 * 3600,
         )
 
@@ -170,6 +174,7 @@ with DAG(
             python=cluster.python,
             jobs_dir=cluster.jobs_dir,
             partition=cluster.partition,
+            nodes="{{ params.nodes }}",
             gpus_per_node="{{ params.gpus }}",
             cpus_per_task=cfg.cpus_per_task,
             time_limit=cfg.time_limit_min,

@@ -6,8 +6,10 @@ Writes one JSON result; the training DAG refuses to start when the share is over
 
     python jobs/allreduce_bench.py --out result.json [--procs 2] [--hidden-sizes 128,64] [--features 64]
 
-Inside a multi-task Slurm job the world comes from SLURM_* (one process per task); on one node without that,
-``--procs N`` spawns N local processes. Never imports Airflow.
+Inside an ``srun`` step of several tasks the world comes from Slurm (one rank per task, across nodes; the
+address and port from ``hybridtrain.launch``, as the training job derives them), so the preflight measures the
+same topology as the training it gates; the result records it (nodes x ranks per node). On one machine without
+that, ``--procs N`` spawns N local processes. Never imports Airflow.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from datetime import UTC, datetime
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hybridtrain.launch import distributed_environment, free_port
 from torch import nn
 
 BUCKET_SIZES_MB = (1, 4, 16, 64)
@@ -57,14 +60,32 @@ def bus_bandwidth_gbps(nbytes: int, seconds: float, world: int) -> float:
     return nbytes / seconds * 2 * (world - 1) / world / 1e9 if seconds > 0 else 0.0
 
 
-def measure(rank: int, world: int, args: argparse.Namespace) -> dict | None:
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+
+
+def topology(nodes_of_ranks: list[str]) -> dict:
+    """Nodes x ranks per node from each rank's node name (rank order)."""
+    nodes = sorted(set(nodes_of_ranks))
+    per_node = {node: nodes_of_ranks.count(node) for node in nodes}
+    ranks_per_node = max(per_node.values())
+    return {"nodes": len(nodes), "ranks_per_node": ranks_per_node, "world_size": len(nodes_of_ranks),
+            "uniform": len(set(per_node.values())) == 1, "node_names": nodes}
+
+
+def measure(rank: int, world: int, args: argparse.Namespace, local_rank: int = 0) -> dict | None:
     use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    # Slurm binds one GPU to each task (CUDA_VISIBLE_DEVICES lists one id): that is device 0 of this process.
+    index = local_rank if use_cuda and torch.cuda.device_count() > local_rank else 0
+    device = torch.device("cuda", index) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
+    torch.set_num_threads(cpus or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     try:
+        names: list[str] = [""] * world
+        dist.all_gather_object(names, node_name())
         sizes = []
         for mb in BUCKET_SIZES_MB:
             buf = torch.ones(mb * (1 << 20) // 4, device=device)
@@ -98,6 +119,7 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> dict | None:
         "host": socket.gethostname(),
         "backend": "nccl" if use_cuda else "gloo",
         "world_size": world,
+        "topology": topology(names),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "sizes": sizes,
         "busbw_gbps_at_largest": sizes[-1]["busbw_gbps"],
@@ -109,9 +131,10 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> dict | None:
     }
 
 
-def worker(rank: int, world: int, args: argparse.Namespace) -> None:
-    result = measure(rank, world, args)
+def worker(rank: int, world: int, args: argparse.Namespace, local_rank: int | None = None) -> None:
+    result = measure(rank, world, args, rank if local_rank is None else local_rank)
     if result is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         tmp = args.out + ".tmp"
         with open(tmp, "w") as handle:
             json.dump(result, handle, indent=2)
@@ -129,18 +152,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
-    if args.procs < 2 and int(os.environ.get("SLURM_NTASKS", "1")) < 2:
-        parser.error("--procs must be at least 2: all-reduce over one process measures nothing")
+    if args.procs < 2 and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) < 2:
+        parser.error("an all-reduce over one process measures nothing: run at least 2 ranks (srun tasks, or "
+                     "--procs 2 outside Slurm)")
     return args
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        worker(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), args)
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        environment = distributed_environment(os.environ, free_port)
+        os.environ.update(environment)
+        worker(int(environment["RANK"]), int(environment["WORLD_SIZE"]), args, int(environment["LOCAL_RANK"]))
     else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         mp.spawn(worker, args=(args.procs, args), nprocs=args.procs, join=True)
     return 0
 

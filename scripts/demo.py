@@ -23,6 +23,7 @@ from pathlib import Path
 from airflow_api import STATE, AirflowApi, local_api, trigger
 
 NIGHTLY = "nightly_training"
+DEMO_GPUS = 2
 
 
 def follow(api: AirflowApi, dag_id: str, run_id: str, timeout_s: float) -> str:
@@ -57,17 +58,21 @@ def run_dag(api: AirflowApi, dag_id: str, conf: dict, timeout_s: float, logical_
     return run_id, follow(api, dag_id, run_id, timeout_s)
 
 
-def ensure_fresh_preflight(api: AirflowApi, storage_root: str, timeout_s: float) -> None:
-    """Training refuses to start on a stale or failed all-reduce preflight: run it first when needed."""
-    latest = Path(storage_root) / "runs" / "preflight" / "latest.json"
+def ensure_fresh_preflight(api: AirflowApi, storage_root: str, timeout_s: float, nodes: int = 1,
+                           gpus_per_node: int = DEMO_GPUS) -> None:
+    """Training refuses a stale, failed or missing all-reduce preflight of its own topology: run it when needed."""
+    if nodes * gpus_per_node == 1:
+        return  # one rank all-reduces nothing; the gate lets it through
+    latest = Path(storage_root) / "runs" / "preflight" / f"{nodes}x{gpus_per_node}" / "latest.json"
     try:
         measured = datetime.fromisoformat(json.loads(latest.read_text())["measured_at"])
         if datetime.now(UTC) - measured < timedelta(days=1):
-            print(f"cluster preflight measured {measured:%Y-%m-%d %H:%M} UTC: fresh", flush=True)
+            print(f"cluster preflight ({nodes}x{gpus_per_node}) measured {measured:%Y-%m-%d %H:%M} UTC: fresh",
+                  flush=True)
             return
     except (OSError, KeyError, ValueError):
         pass
-    _, state = run_dag(api, "cluster_preflight", {}, timeout_s)
+    _, state = run_dag(api, "cluster_preflight", {"nodes": nodes, "gpus_per_node": gpus_per_node}, timeout_s)
     if state != "success":
         raise SystemExit("cluster_preflight failed: training would be refused; see its log "
                          "(runbook: include/runbooks/preflight.md)")
@@ -108,6 +113,9 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
         lines.append(f"training: Slurm job {train.get('job_id')} {train.get('state')} in "
                      f"{train.get('elapsed_s')} s, step {metrics.get('step')}, holdout AUC "
                      f"{metrics.get('auc')}, log loss {metrics.get('log_loss')}")
+        lines.append(f"ranks: {metrics.get('world_size')} on {metrics.get('nodes')} node(s) "
+                     f"[{', '.join(metrics.get('ranks') or [])}], ZeRO-{metrics.get('zero_stage')}; all-reduce share "
+                     f"in the job {metrics.get('allreduce_share_in_job')}")
         lines.append(f"checkpoint: {train.get('run_dir')}/checkpoints (newest complete: step {metrics.get('step')})")
     decision = get("evaluation.champion_challenger")
     if decision:
@@ -146,14 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     api = local_api()
     t0 = time.monotonic()
     logical_date = None
+    conf = json.loads(args.conf)
     if args.dag == NIGHTLY:
-        ensure_fresh_preflight(api, storage_root, args.timeout)
+        # The demo trains data-parallel: two ranks (two emulated GPUs) unless --conf says otherwise.
+        conf.setdefault("gpus", DEMO_GPUS)
+        ensure_fresh_preflight(api, storage_root, args.timeout, conf.get("nodes", 1), conf["gpus"])
         ds = date.fromisoformat(args.ds) if args.ds else date.today() - timedelta(days=1)
         # A fresh timestamp on the requested day: the run's ds is that day, and a rerun is a new run of it.
         now = datetime.now(UTC)
         logical_date = datetime(ds.year, ds.month, ds.day, now.hour, now.minute, now.second, now.microsecond,
                                 tzinfo=UTC).isoformat()
-    run_id, state = run_dag(api, args.dag, json.loads(args.conf), args.timeout, logical_date)
+    run_id, state = run_dag(api, args.dag, conf, args.timeout, logical_date)
     print()
     print(f"{args.dag}: {state.upper()} in {time.monotonic() - t0:.0f} s")
     if args.dag == NIGHTLY:

@@ -18,6 +18,8 @@ from hybridflow.exceptions import ConfigError
 from hybridflow.paths import include_dir
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+# ZeRO stages with a DeepSpeed config in include/deepspeed/zero<stage>.json.
+ZERO_STAGES = (1, 2, 3)
 ENV_REF = re.compile(r"\$\{(?P<name>[A-Z_][A-Z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
 
@@ -41,15 +43,21 @@ class PreflightConfig:
     schedule: str
     max_allreduce_share: float = 0.2
     max_age_days: int = 8
-    procs: int = 2
-    gpus_per_node: int = 1
+    # The topology the scheduled preflight measures: nodes x ranks (one per GPU) per node. A preflight clears
+    # only a training run of the same topology.
+    nodes: int = 1
+    ranks_per_node: int = 2
     time_limit_min: int = 15
 
     def validate(self, where: str) -> None:
         if not 0 < self.max_allreduce_share < 1:
             raise ConfigError(f"{where}.max_allreduce_share: {self.max_allreduce_share} is not between 0 and 1")
-        if self.procs < 2:
-            raise ConfigError(f"{where}.procs: {self.procs}; an all-reduce needs at least 2 processes")
+        for key in ("nodes", "ranks_per_node", "max_age_days", "time_limit_min"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive integer")
+        if self.nodes * self.ranks_per_node < 2:
+            raise ConfigError(f"{where}: nodes x ranks_per_node = {self.nodes * self.ranks_per_node}; an all-reduce "
+                              "needs at least 2 ranks (raise ranks_per_node or nodes)")
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,13 @@ class NightlyConfig:
     batch_size: int = 256
     learning_rate: float = 0.002
     checkpoint_every_steps: int = 100
+    # Data-parallel training: `nodes` nodes x `gpus` GPUs per node, one rank per GPU.
+    nodes: int = 1
     gpus: int = 1
+    # DeepSpeed: ZeRO stage (include/deepspeed/zero<stage>.json) and micro-batches per optimizer step; the global
+    # batch is batch_size x gradient_accumulation_steps x nodes x gpus.
+    zero_stage: int = 1
+    gradient_accumulation_steps: int = 1
     cpus_per_task: int = 2
     torch_threads: int = 1
     time_limit_min: int = 60
@@ -103,10 +117,12 @@ class NightlyConfig:
         if not MODEL_NAME.fullmatch(self.model_name):
             raise ConfigError(f"{where}.model_name: {self.model_name!r}; use letters, digits, '_', '-' (1-64)")
         for key in ("simulate_raw_rows", "raw_wait_timeout_min", "train_window_days", "epochs", "max_steps",
-                    "batch_size", "checkpoint_every_steps", "gpus", "cpus_per_task", "torch_threads", "time_limit_min",
-                    "max_active_runs"):
+                    "batch_size", "checkpoint_every_steps", "nodes", "gpus", "gradient_accumulation_steps",
+                    "cpus_per_task", "torch_threads", "time_limit_min", "max_active_runs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive integer")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ConfigError(f"{where}.zero_stage: {self.zero_stage}; choose one of {', '.join(map(str, ZERO_STAGES))}")
         if not 0 <= self.min_auc_gain < 1:
             raise ConfigError(f"{where}.min_auc_gain: {self.min_auc_gain}; expected a value in [0, 1)")
         if not self.learning_rate > 0:

@@ -71,9 +71,10 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
         "learning_rate": cfg.learning_rate,
         "checkpoint_every_steps": cfg.checkpoint_every_steps,
         "keep_last_checkpoints": 3,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "seed": 42,
-        "zero_stage": 1,
-        "deepspeed_config": f"{code}/include/deepspeed/zero1.json",
+        "zero_stage": cfg.zero_stage,
+        "deepspeed_config": f"{code}/include/deepspeed/zero{cfg.zero_stage}.json",
         "torch_threads": cfg.torch_threads,
     }
     champion = ModelRegistry(config.storage.root, cfg.model_name).champion()

@@ -10,18 +10,25 @@ from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.utils.gates import preflight_verdict
 
 
-def preflight_result_path(config: PipelineConfig) -> str:
-    return f"{config.storage.root}/runs/preflight/latest.json"
+def preflight_result_path(config: PipelineConfig, nodes: int | str, ranks_per_node: int | str) -> str:
+    """One result per topology, so measuring 2 nodes x 1 rank never replaces the 1 x 2 figures."""
+    return f"{config.storage.root}/runs/preflight/{nodes}x{ranks_per_node}/latest.json"
 
 
-def check_latest_preflight(config: PipelineConfig) -> str:
-    """Raise GateFailed unless the newest preflight is recent and under the all-reduce share limit."""
+def check_latest_preflight(config: PipelineConfig, nodes: int, ranks_per_node: int) -> str:
+    """Raise GateFailed unless the newest preflight of this topology is recent and under the share limit.
+
+    A run of one rank all-reduces nothing: it passes with that said.
+    """
+    if nodes * ranks_per_node == 1:
+        return "one rank: training all-reduces no gradients, so there is no interconnect to gate"
     hook = SlurmHook(config.cluster.ssh_conn_id)
     try:
-        text = hook.read_text(preflight_result_path(config))
+        text = hook.read_text(preflight_result_path(config, nodes, ranks_per_node))
     finally:
         hook.close()
     return preflight_verdict(
         json.loads(text) if text else None, datetime.now(UTC),
         max_share=config.preflight.max_allreduce_share, max_age=timedelta(days=config.preflight.max_age_days),
+        topology=(nodes, ranks_per_node),
     )

@@ -34,7 +34,11 @@ class SlurmSubmitOperator(BaseOperator):
 
     :param command: argv of the job's program; every element is quoted (templated).
     :param partition: Slurm partition (templated).
-    :param gpus_per_node: GPUs per node; ``gpu_type`` optionally names the GRES type.
+    :param nodes: nodes to allocate (templated).
+    :param gpus_per_node: GPUs per node; ``gpu_type`` optionally names the GRES type (templated).
+    :param ranks_per_node: 0 runs ``command`` once as the batch script; N starts it as one ``srun`` step of N
+        ranks per node, one GPU each, the step killed when any rank fails (templated). Before submitting such a
+        job the operator refuses a shape no set of the partition's nodes could ever run.
     :param log_dir: directory on the cluster for the job's stdout/stderr (templated); created if missing.
     :param progress_path: the job's progress JSON on the cluster, logged while waiting (templated).
     :param env: environment variables exported in the batch script (templated).
@@ -45,7 +49,7 @@ class SlurmSubmitOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = ("command", "partition", "log_dir", "progress_path", "env", "time_limit",
-                                      "gpus_per_node")
+                                      "nodes", "gpus_per_node", "ranks_per_node")
     template_fields_renderers = {"env": "json"}
     ui_color = "#d9e7ff"
     operator_extra_links = (SlurmJobLink(),)
@@ -57,8 +61,9 @@ class SlurmSubmitOperator(BaseOperator):
         partition: str,
         log_dir: str,
         ssh_conn_id: str = "slurm_ssh",
-        nodes: int = 1,
+        nodes: int | str = 1,
         gpus_per_node: int | str = 0,
+        ranks_per_node: int | str = 0,
         gpu_type: str | None = None,
         cpus_per_task: int = 1,
         mem: str | None = None,
@@ -86,6 +91,7 @@ class SlurmSubmitOperator(BaseOperator):
         self.ssh_conn_id = ssh_conn_id
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node
+        self.ranks_per_node = ranks_per_node
         self.gpu_type = gpu_type
         self.cpus_per_task = cpus_per_task
         self.mem = mem
@@ -124,8 +130,9 @@ class SlurmSubmitOperator(BaseOperator):
 
         time_limit = int(self.time_limit) if str(self.time_limit).isdigit() else self.time_limit
         return SlurmJobSpec(
-            job_name=name, partition=self.partition, command=self.command, nodes=self.nodes,
-            gpus_per_node=int(self.gpus_per_node), gpu_type=self.gpu_type, cpus_per_task=self.cpus_per_task,
+            job_name=name, partition=self.partition, command=self.command, nodes=_whole(self.nodes, "nodes"),
+            gpus_per_node=_whole(self.gpus_per_node, "gpus_per_node"),
+            ranks_per_node=_whole(self.ranks_per_node, "ranks_per_node"), gpu_type=self.gpu_type, cpus_per_task=self.cpus_per_task,
             mem=self.mem, time_limit=time_limit, account=self.account, qos=self.qos, constraint=self.constraint,
             signal=self.signal, requeue=self.requeue, output=f"{self.log_dir}/%x-%j.out",
             error=f"{self.log_dir}/%x-%j.err", setup_lines=self.setup_lines, env=self.env,
@@ -143,6 +150,8 @@ class SlurmSubmitOperator(BaseOperator):
                           name, existing.state)
             self.job_id = existing.job_id
         else:
+            if spec.ranks_per_node and spec.gpus_per_node:
+                self._refuse_impossible_shape(spec)
             self.hook.run(["mkdir", "-p", "--", self.log_dir])
             self.job_id = self.hook.submit(render_sbatch_script(spec))
             self.log.info("Submitted Slurm job %s (%s) to partition %s", self.job_id, name, self.partition)
@@ -154,6 +163,13 @@ class SlurmSubmitOperator(BaseOperator):
             self.defer(trigger=self._trigger(), method_name="execute_complete",
                        timeout=self.execution_timeout or timedelta(days=7))
         return self._finish(self._wait_here())
+
+    def _refuse_impossible_shape(self, spec) -> None:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        verdict = self.hook.capacity(spec.partition, spec.gpus_per_node, spec.nodes)
+        if verdict.impossible:
+            raise AirflowFailException(f"not submitted: {verdict.reason}. Runbook: {self.runbook}")
 
     def _trigger(self):
         from hybridflow.triggers.slurm import SlurmJobTrigger
@@ -203,3 +219,14 @@ class SlurmSubmitOperator(BaseOperator):
         if self.job_id:
             status = self.hook.cancel(self.job_id)
             self.log.info("Cancelled Slurm job %s on kill: now %s", self.job_id, status.state if status else "gone")
+
+
+def _whole(value: int | str, name: str) -> int:
+    """A rendered template (text) or an int as an int; anything else names the field."""
+    from hybridflow.exceptions import InvalidJobSpecError
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise InvalidJobSpecError(f"{name}={value!r} is invalid: use a whole number")

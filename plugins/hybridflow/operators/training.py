@@ -19,12 +19,20 @@ if TYPE_CHECKING:
 def summarise_metrics(metrics: Mapping[str, Any]) -> dict:
     """The figures of the job's metrics.json that the pipeline passes on (XCom stays small)."""
     holdout = metrics.get("holdout") or {}
+    deepspeed, allreduce = metrics.get("deepspeed") or {}, metrics.get("allreduce") or {}
     return {
         "auc": holdout.get("auc"), "log_loss": holdout.get("log_loss"), "step": metrics.get("step"),
         "total_steps": metrics.get("total_steps"), "restarts": metrics.get("restarts"),
         "resumed_from_step": metrics.get("resumed_from_step"),
         "train_rows_processed": metrics.get("train_rows_processed"),
         "mean_gpu_utilization_pct": metrics.get("mean_gpu_utilization_pct"),
+        "world_size": deepspeed.get("world_size"), "nodes": deepspeed.get("nodes"),
+        "ranks": [f"{r.get('rank')}@{r.get('node')}" for r in deepspeed.get("ranks") or []],
+        "zero_stage": deepspeed.get("zero_stage"),
+        "allreduce_share_in_job": allreduce.get("share"),
+        "allreduce_in_job": {k: allreduce.get(k) for k in ("share", "comm_ms_median", "step_ms_median", "samples",
+                                                            "reason") if k in allreduce},
+        "gpus_sampled": (metrics.get("gpu") or {}).get("per_gpu"),
     }
 
 
@@ -40,6 +48,9 @@ class DeepSpeedTrainingOperator(SlurmSubmitOperator):
         upstream task's XCom); see jobs/hybridtrain/config.py.
     :param run_dir: the run's directory on the cluster's filesystem (templated).
     :param python: the cluster's job interpreter; ``jobs_dir`` where jobs/ is deployed there.
+
+    Data-parallel: ``nodes`` x ``gpus_per_node`` ranks, one per GPU, started by ``srun`` (``ranks_per_node``
+    defaults to ``gpus_per_node``); the job reads its rank, world size and master address from Slurm.
     """
 
     template_fields: Sequence[str] = (*SlurmSubmitOperator.template_fields, "run_config", "run_dir")
@@ -49,6 +60,7 @@ class DeepSpeedTrainingOperator(SlurmSubmitOperator):
                  min_gpu_utilization_pct: float = 40.0, fail_on_low_utilization: bool = False, **kwargs):
         kwargs.setdefault("log_dir", f"{run_dir}/logs")
         kwargs.setdefault("progress_path", f"{run_dir}/progress.json")
+        kwargs.setdefault("ranks_per_node", kwargs.get("gpus_per_node", 1))
         super().__init__(command=[python, f"{jobs_dir}/train.py", "--config", f"{run_dir}/config.json"], **kwargs)
         self.run_config = run_config if isinstance(run_config, str) else dict(run_config)
         self.run_dir = run_dir
@@ -69,8 +81,9 @@ class DeepSpeedTrainingOperator(SlurmSubmitOperator):
 
         result = super()._finish(status, message)  # raises unless the job COMPLETED
         metrics = json.loads(self.hook.read_text(f"{self.run_dir}/metrics.json") or "{}")
-        gpus = int(status.alloc_tres.get("gres/gpu", 0) or 0)
-        report = utilization_report(gpus, status.elapsed_s or 0, metrics.get("gpu"), self.min_gpu_utilization_pct)
+        allocated = status.alloc_tres.get("gres/gpu")
+        gpus = int(allocated) if str(allocated or "").isdigit() else None
+        report = utilization_report(gpus, status.elapsed_s, metrics.get("gpu"), self.min_gpu_utilization_pct)
         if report.verdict == "low" and self.fail_on_low_utilization:
             raise GateFailed(report.message)
         (self.log.warning if report.verdict != "ok" else self.log.info)("GPU utilization: %s", report.message)

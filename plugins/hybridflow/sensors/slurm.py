@@ -8,7 +8,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator, conf
-from airflow.sdk.exceptions import AirflowSensorTimeout
+from airflow.sdk.exceptions import AirflowFailException, AirflowSensorTimeout
 
 from hybridflow.exceptions import SlurmConnectionError
 
@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 class SlurmCapacitySensor(BaseSensorOperator):
     """
     Waits until ``partition`` could start a job of ``nodes`` x ``gpus_per_node`` GPUs now (nodes up, GPUs free),
-    logging why it waits (node states, free GPUs, pending jobs and their reasons). On timeout the error says
-    what capacity was missing.
+    logging why it waits (node states, free GPUs, pending jobs and Slurm's pending reasons). On timeout the error
+    says what capacity was missing. A request no set of the partition's nodes could ever satisfy fails at once
+    (no retry), naming the partition's largest node.
 
     :param partition: Slurm partition (templated).
     :param gpus_per_node: GPUs each node must have free (templated).
@@ -52,6 +53,8 @@ class SlurmCapacitySensor(BaseSensorOperator):
     def poke(self, context: Context) -> bool:
         verdict = self.hook.capacity(self.partition, int(self.gpus_per_node), int(self.nodes))
         self.last_reason = verdict.reason
+        if verdict.impossible:
+            raise AirflowFailException(f"{verdict.reason}. Runbook: include/runbooks/capacity.md")
         self.log.info("%s: %s", "capacity available" if verdict.can_run_now else "waiting", verdict.reason)
         return verdict.can_run_now
 
@@ -73,6 +76,8 @@ class SlurmCapacitySensor(BaseSensorOperator):
         )
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
+        if event.get("status") == "impossible":
+            raise AirflowFailException(f"{event.get('reason')}. Runbook: include/runbooks/capacity.md")
         if event.get("status") == "timeout":
             raise self._timeout_error(event.get("reason", ""))
         if event.get("status") != "ready":

@@ -203,6 +203,9 @@ class SlurmCapacityTrigger(BaseTrigger):
                 if verdict.can_run_now:
                     yield TriggerEvent({"status": "ready", "reason": verdict.reason, "gpus_free": verdict.gpus_free})
                     return
+                if verdict.impossible:
+                    yield TriggerEvent({"status": "impossible", "reason": verdict.reason})
+                    return
                 if verdict.reason != last_reason:
                     self.log.info("waiting for capacity: %s", verdict.reason)
                     last_reason = verdict.reason

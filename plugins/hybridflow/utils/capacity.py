@@ -23,6 +23,30 @@ class CapacityVerdict:
     reason: str
     gpus_free: int
     gpus_total: int
+    # Set when no set of the partition's nodes could ever run the request, whatever frees up: waiting is pointless.
+    impossible: bool = False
+
+
+def unsatisfiable_request(partition: str, nodes: Sequence[SinfoNode], gpus_per_node: int,
+                          nodes_needed: int = 1) -> str | None:
+    """Why no set of the partition's nodes could ever run ``nodes_needed`` x ``gpus_per_node``, whatever their state
+    now; None when some set could (it may still have to wait).
+
+    Judged on the nodes' configured GPUs, so a busy or drained node still counts: it can come back.
+    """
+    if not nodes:
+        return f"partition {partition!r} has no nodes (does it exist? `sinfo -s` lists the partitions)"
+    largest = max(nodes, key=lambda n: (n.gpus_total, n.name))
+    big_enough = [n for n in nodes if n.gpus_total >= gpus_per_node]
+    if len(big_enough) >= nodes_needed:
+        return None
+    request = f"{nodes_needed} node(s) x {gpus_per_node} GPU(s) can never run in partition {partition!r}"
+    if not big_enough:
+        return (f"{request}: its largest node is {largest.name} with {largest.gpus_total} GPU(s); ask for at most "
+                f"{largest.gpus_total} GPU(s) per node, or use another partition")
+    return (f"{request}: only {len(big_enough)} of its {len(nodes)} node(s) have {gpus_per_node}+ GPUs (largest: "
+            f"{largest.name} with {largest.gpus_total}); ask for at most {len(big_enough)} node(s), or fewer GPUs per "
+            "node")
 
 
 def capacity_verdict(partition: str, nodes: Sequence[SinfoNode], pending: Sequence[SqueueRecord],
@@ -31,8 +55,9 @@ def capacity_verdict(partition: str, nodes: Sequence[SinfoNode], pending: Sequen
     total = sum(n.gpus_total for n in nodes)
     free = sum(n.gpus_free for n in nodes)
     fitting = [n for n in nodes if n.available and n.gpus_free >= gpus_per_node]
-    if not nodes:
-        return CapacityVerdict(False, f"partition {partition!r} has no nodes (does it exist?)", 0, 0)
+    impossible = unsatisfiable_request(partition, nodes, gpus_per_node, nodes_needed)
+    if impossible:
+        return CapacityVerdict(False, impossible, free, total, impossible=True)
     if len(fitting) >= nodes_needed:
         names = ", ".join(n.name for n in fitting[:nodes_needed])
         return CapacityVerdict(True, f"{partition}: {free}/{total} GPUs free; fits on {names}", free, total)

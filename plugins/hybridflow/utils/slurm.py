@@ -48,6 +48,7 @@ __all__ = [
     "parse_sinfo_gpus",
     "parse_squeue",
     "render_sbatch_script",
+    "srun_argv",
     "scontrol_exit_code",
     "scontrol_job_state",
     "scontrol_restarts",
@@ -195,6 +196,10 @@ class SlurmJobSpec:
     :param command: argv of the program to run; every element is shell-quoted, so it may hold any text.
     :param nodes: number of nodes (>= 1).
     :param gpus_per_node: GPUs per node (>= 0); rendered as ``--gres``.
+    :param ranks_per_node: 0 runs the command as the batch shell itself (``exec``, one process). N >= 1
+        starts it as one ``srun`` step of N tasks on each of the ``nodes`` nodes (the ranks of a distributed
+        job), each task bound to one GPU when ``gpus_per_node`` > 0 (which must then equal N), and the whole
+        step killed when any rank fails (``--kill-on-bad-exit=1``).
     :param gpu_type: GRES type such as ``"h200"``; needs ``gpus_per_node`` > 0.
     :param cpus_per_task: CPUs per task (>= 1).
     :param mem: memory per node such as ``"16G"`` (units K, M, G, T; none means megabytes).
@@ -220,6 +225,7 @@ class SlurmJobSpec:
     command: Sequence[str]
     nodes: int = 1
     gpus_per_node: int = 0
+    ranks_per_node: int = 0
     gpu_type: str | None = None
     cpus_per_task: int = 1
     mem: str | None = None
@@ -266,6 +272,10 @@ class SlurmJobSpec:
     def _validate_resources(self) -> None:
         _check_int("nodes", self.nodes, 1)
         _check_int("gpus_per_node", self.gpus_per_node, 0)
+        _check_int("ranks_per_node", self.ranks_per_node, 0)
+        if self.ranks_per_node and self.gpus_per_node and self.ranks_per_node != self.gpus_per_node:
+            raise _fail("ranks_per_node", self.ranks_per_node,
+                        f"use one rank per GPU: ranks_per_node = gpus_per_node ({self.gpus_per_node})")
         _check_int("cpus_per_task", self.cpus_per_task, 1)
         if self.gpu_type is not None and self.gpus_per_node == 0:
             raise _fail("gpu_type", self.gpu_type, "set gpus_per_node > 0 as well, or leave gpu_type unset")
@@ -329,14 +339,13 @@ def _sbatch_directives(spec: SlurmJobSpec) -> list[str]:
         ("account", spec.account),
         ("qos", spec.qos),
         ("nodes", str(spec.nodes)),
+        ("ntasks-per-node", str(spec.ranks_per_node) if spec.ranks_per_node else None),
         ("cpus-per-task", str(spec.cpus_per_task)),
         ("mem", spec.mem),
         ("gres", gres),
         ("constraint", spec.constraint),
         ("time", None if spec.time_limit is None else str(spec.time_limit)),
-        # Without "B:" Slurm signals only job steps started by srun, and this script starts none. With "B:"
-        # it signals the batch shell, which is why the command is exec'd: the command then is that process.
-        ("signal", None if spec.signal is None else f"B:{spec.signal}"),
+        ("signal", None if spec.signal is None else f"{'' if spec.ranks_per_node else 'B:'}{spec.signal}"),
     ]
     lines = [f"#SBATCH --{flag}={shlex.quote(value)}" for flag, value in options if value is not None]
     lines.append("#SBATCH --requeue" if spec.requeue else "#SBATCH --no-requeue")
@@ -345,18 +354,36 @@ def _sbatch_directives(spec: SlurmJobSpec) -> list[str]:
     return lines
 
 
+def srun_argv(spec: SlurmJobSpec) -> list[str]:
+    """The ``srun`` line that starts ``ranks_per_node`` ranks on every node of the allocation.
+
+    ``--kill-on-bad-exit=1``: one rank dying (a crash, a SIGKILL) ends the whole step at once instead of
+    leaving its peers blocked in a collective. ``--gpus-per-task=1`` with ``--gpu-bind=single:1`` gives each
+    rank its own GPU (``CUDA_VISIBLE_DEVICES`` lists one id).
+    """
+    argv = ["srun", "--kill-on-bad-exit=1", f"--nodes={spec.nodes}", f"--ntasks-per-node={spec.ranks_per_node}",
+            f"--ntasks={spec.nodes * spec.ranks_per_node}", f"--cpus-per-task={spec.cpus_per_task}"]
+    if spec.gpus_per_node:
+        argv += ["--gpus-per-task=1", "--gpu-bind=single:1"]
+    return [*argv, "--", *spec.command]
+
+
 def render_sbatch_script(spec: SlurmJobSpec) -> str:
     """The complete batch script for ``spec``, to be passed to ``sbatch --parsable`` on stdin.
 
     Layout: shebang, one ``#SBATCH`` line per set option in a fixed order, ``set -euo pipefail``, the
-    exports, the setup lines, then ``exec`` of the quoted command. ``exec`` makes the command the batch
-    shell process, so the ``--signal=B:...`` warning reaches it; without it bash itself takes the signal
-    and dies (measured on 22.05.8: USR2 ended the job FAILED with exit code 0:12 and the child never saw it).
+    exports, the setup lines, then ``exec`` of the quoted command, or of the ``srun`` step that starts it
+    once per rank (``ranks_per_node``).
+
+    Signals before the time limit: a one-process job gets ``--signal=B:...``, which signals the batch shell;
+    ``exec`` makes the command that process (without it bash takes the signal and dies: measured on 22.05.8,
+    USR2 ended the job FAILED 0:12 and the child never saw it). A job of ranks gets ``--signal=...`` without
+    ``B:``: Slurm then signals every task of the srun step, so every rank sees it, and not the batch shell.
     """
     lines = ["#!/bin/bash", *_sbatch_directives(spec), "set -euo pipefail"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in spec.env.items()]
     lines += spec.setup_lines
-    lines.append(f"exec {shlex.join(spec.command)}")
+    lines.append(f"exec {shlex.join(srun_argv(spec) if spec.ranks_per_node else spec.command)}")
     return "\n".join(lines) + "\n"
 
 

@@ -79,3 +79,28 @@ def test_capacity_verdict(nodes, queue, gpus, nodes_needed, ok, fragment):
     verdict = capacity_verdict("gpu-training", nodes, queue, gpus, nodes_needed)
     assert verdict.can_run_now is ok
     assert fragment in verdict.reason
+    assert verdict.impossible is (not nodes)
+
+
+@pytest.mark.parametrize(
+    "nodes, gpus, nodes_needed, fragment",
+    [
+        ([node("n1"), node("n2")], 9, 1, "its largest node is n2 with 8 GPU(s); ask for at most 8 GPU(s) per node"),
+        ([node("n1"), node("n2")], 1, 3, "only 2 of its 2 node(s) have 1+ GPUs (largest: n2 with 8); ask for at most 2"),
+        ([node("a", total=4), node("b", total=8)], 8, 2, "only 1 of its 2 node(s) have 8+ GPUs (largest: b with 8)"),
+        ([node("n1", total=0)], 1, 1, "its largest node is n1 with 0 GPU(s)"),
+    ],
+    ids=["too-many-gpus-per-node", "too-many-nodes", "too-few-big-nodes", "cpu-only-partition"],
+)
+def test_capacity_refuses_at_once_what_no_node_set_can_ever_run(nodes, gpus, nodes_needed, fragment):
+    verdict = capacity_verdict("gpu-training", nodes, [], gpus, nodes_needed)
+    assert verdict.impossible and not verdict.can_run_now
+    assert f"{nodes_needed} node(s) x {gpus} GPU(s) can never run in partition 'gpu-training'" in verdict.reason
+    assert fragment in verdict.reason
+
+
+def test_a_busy_or_drained_node_still_counts_toward_what_could_run_later():
+    nodes = [node("n1", "allocated", used=8), node("n2", "drained", available=False)]
+    verdict = capacity_verdict("gpu-training", nodes, [pending("Resources")], 8, 2)
+    assert not verdict.can_run_now and not verdict.impossible
+    assert "1 pending (Resources)" in verdict.reason

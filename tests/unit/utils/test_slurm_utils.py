@@ -54,8 +54,9 @@ def _training_spec() -> SlurmJobSpec:
     return SlurmJobSpec(
         job_name=deterministic_job_name("train_llm", "train", "scheduled__2026-01-01T00:00:00+00:00"),
         partition="gpu-training",
-        nodes=1,
-        gpus_per_node=1,
+        nodes=2,
+        gpus_per_node=2,
+        ranks_per_node=2,
         gpu_type="h200",
         cpus_per_task=4,
         mem="16G",
@@ -138,6 +139,22 @@ def test_minimal_spec_renders_only_what_is_set():
         "set -euo pipefail\n"
         "exec true\n"
     )
+
+
+def test_ranks_start_as_one_srun_step_with_one_gpu_each_and_every_rank_signalled():
+    script = render_sbatch_script(_minimal_spec(nodes=2, gpus_per_node=4, ranks_per_node=4, cpus_per_task=2,
+                                                signal="USR2@90", command=["python", "train.py", "--config", "a b"]))
+    assert "#SBATCH --ntasks-per-node=4" in _directives(script)
+    # No "B:": Slurm signals the srun step's tasks (every rank), not the batch shell.
+    assert "#SBATCH --signal=USR2@90" in _directives(script)
+    assert script.splitlines()[-1] == (
+        "exec srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=4 --ntasks=8 --cpus-per-task=2 "
+        "--gpus-per-task=1 --gpu-bind=single:1 -- python train.py --config 'a b'")
+
+
+def test_ranks_without_gpus_start_an_srun_step_without_gpu_binding():
+    line = render_sbatch_script(_minimal_spec(nodes=2, ranks_per_node=1)).splitlines()[-1]
+    assert line == "exec srun --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=1 --ntasks=2 --cpus-per-task=1 -- true"
 
 
 @pytest.mark.parametrize(
@@ -264,6 +281,10 @@ INVALID_SPECS = [
     ("nodes", {"nodes": "1"}),
     ("gpus_per_node", {"gpus_per_node": -1}),
     ("gpus_per_node", {"gpus_per_node": 1.0}),
+    ("ranks_per_node", {"ranks_per_node": -1}),
+    ("ranks_per_node", {"ranks_per_node": 2.0}),
+    ("ranks_per_node", {"ranks_per_node": "2"}),
+    ("ranks_per_node", {"gpus_per_node": 4, "ranks_per_node": 2}),
     ("gpu_type", {"gpu_type": "h200"}),
     ("gpu_type", {"gpus_per_node": 1, "gpu_type": "h200:8"}),
     ("cpus_per_task", {"cpus_per_task": 0}),
