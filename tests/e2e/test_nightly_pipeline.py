@@ -17,6 +17,11 @@ from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
 
 DAG = "nightly_training"
+DS = "2025-06-03"
+# Both runs take 2 ranks x the same micro-batch over the same rows, each rank the same slice of every global batch:
+# the same training up to the order in which gloo sums fp32 gradients.
+SAME_TRAINING_AUC_TOLERANCE = 1e-3
+trained: dict[str, dict] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,12 +62,18 @@ def slurm_jobs_named(prefix: str) -> list[str]:
     return [line for line in out.stdout.splitlines() if line.split("|")[1].startswith(prefix)]
 
 
+def rank_log(run_dir: Path) -> str:
+    return "".join(path.read_text() for path in sorted((run_dir / "logs").glob("*.err")))
+
+
 def test_nightly_run_produces_every_stages_output(api, stack):
-    ds = "2025-06-03"
+    """One node x 2 ranks (two GPUs of one node), every stage through to Triton."""
+    ds = DS
     root = storage(stack)
-    # Training refuses a missing or stale all-reduce preflight (a fresh stack has none): run it as `make demo` does.
-    ensure_fresh_preflight(api, str(root), timeout_s=600)
-    run_id = trigger(api, {"model_preset": "small", "deploy": "always"}, ds)
+    # Training refuses a missing or stale all-reduce preflight of its topology (a fresh stack has none): run it as
+    # `make demo` does.
+    ensure_fresh_preflight(api, str(root), timeout_s=600, nodes=1, gpus_per_node=2)
+    run_id = trigger(api, {"model_preset": "small", "deploy": "always", "nodes": 1, "gpus": 2}, ds)
     state = wait_for_run(api, DAG, run_id, timeout_s=900, poll_s=2)
     states = task_states(api, DAG, run_id)
     assert state == "success", states
@@ -75,9 +86,14 @@ def test_nightly_run_produces_every_stages_output(api, stack):
     assert gate["summary"]["failed"] == 0 and gate["figures"]["raw_rows"] == features["input"]["raw_rows"]
 
     train = xcom(api, DAG, run_id, "training.train")
-    assert train["state"] == "COMPLETED" and train["alloc_tres"]["gres/gpu"] == "1"
+    assert train["state"] == "COMPLETED" and train["alloc_tres"]["gres/gpu"] == "2"
     assert train["metrics"]["auc"] > 0.55 and train["metrics"]["step"] > 0
+    assert train["metrics"]["world_size"] == 2 and train["metrics"]["nodes"] == 1
+    assert sorted(train["metrics"]["ranks"]) == ["0@gpu-node-01", "1@gpu-node-01"]
     run_dir = Path(train["run_dir"])
+    log = rank_log(run_dir)
+    assert "rank0@gpu-node-01" in log and "ranks: 0@gpu-node-01, 1@gpu-node-01" in log
+    trained["1x2"] = train["metrics"]
     step_dirs = sorted((run_dir / "checkpoints").glob("step_*"))
     assert step_dirs and (step_dirs[-1] / "MANIFEST.json").is_file()
     # Exactly one training job for this run, found by its deterministic name.
@@ -112,12 +128,36 @@ def test_nightly_run_produces_every_stages_output(api, stack):
     assert written["run_id"] == run_id and Path(report["html"]).is_file()
     assert any(chart.endswith("loss_curve.png") for chart in report["charts"])
     # No GPU here, and a fresh stack has nothing serving before this deploy: both said, never invented.
-    allowed = {"training.mean_gpu_utilization_pct"}
+    allowed = {"training.mean_gpu_utilization_pct", "training.gpu_utilization_per_gpu"}
     if deploy.get("previous_version") is None:
         allowed.add("deploy.previous_version")
     if decision["champion"] is None:  # the first model: there was no champion to compare with
         allowed |= {"evaluation.champion_version", "evaluation.champion_auc", "evaluation.champion_log_loss"}
     assert {item["figure"] for item in written["not_measured"]} <= allowed, written["not_measured"]
+
+
+def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each(api, stack):
+    """2 nodes x 1 rank, same date: each rank on its own node, the same holdout metrics as the 1 x 2 run."""
+    if "1x2" not in trained:
+        pytest.fail("test_nightly_run_produces_every_stages_output runs first in this module")
+    root = storage(stack)
+    ensure_fresh_preflight(api, str(root), timeout_s=600, nodes=2, gpus_per_node=1)
+    run_id = trigger(api, {"model_preset": "small", "train": "always", "deploy": "never", "nodes": 2, "gpus": 1}, DS)
+    state = wait_for_run(api, DAG, run_id, timeout_s=900, poll_s=2)
+    assert state == "success", task_states(api, DAG, run_id)
+    gate = xcom(api, DAG, run_id, "preflight.allreduce_preflight")
+    assert "over 2 ranks" in gate
+
+    train = xcom(api, DAG, run_id, "training.train")
+    assert train["alloc_tres"]["gres/gpu"] == "2" and train["alloc_tres"]["node"] == "2"
+    metrics = train["metrics"]
+    assert metrics["world_size"] == 2 and metrics["nodes"] == 2
+    assert sorted(metrics["ranks"]) == ["0@gpu-node-01", "1@gpu-node-02"]
+    log = rank_log(Path(train["run_dir"]))
+    assert "ranks: 0@gpu-node-01, 1@gpu-node-02" in log
+    assert metrics["step"] == trained["1x2"]["step"]
+    assert abs(metrics["auc"] - trained["1x2"]["auc"]) <= SAME_TRAINING_AUC_TOLERANCE
+    assert 0 < metrics["allreduce_share_in_job"] < 1
 
 
 def test_backfill_recomputes_three_days_without_training(api, stack):

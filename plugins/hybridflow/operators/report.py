@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # Where the nightly DAG's stages leave their figures.
 NIGHTLY_SOURCES = {
     "quality": "quality.quality_gate",
+    "preflight": "preflight.allreduce_preflight",
     "training": "training.train",
     "evaluation": "evaluation.champion_challenger",
     "deploy": "deploy.deploy_model",
@@ -64,7 +65,7 @@ class RunReportOperator(BaseOperator):
                         "checks": [{"name": c.get("check"), "column": c.get("column"), "observed": c.get("observed"),
                                     "expected": c.get("expected"), "passed": c.get("status") != "failed"}
                                    for c in quality.get("checks", [])]} if quality else None,
-            "training": training_figures(train, metrics),
+            "training": training_figures(train, metrics, self.pull(context, "preflight")),
             "evaluation": _evaluation(decision),
             "scoring": scoring_figures(config, ds),
             "deploy": deploy,

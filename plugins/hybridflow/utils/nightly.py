@@ -105,8 +105,10 @@ def scoring_figures(manifest: Mapping[str, Any] | None, executor_cores: int) -> 
     }
 
 
-def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """From the training task's return value and the job's metrics.json (None when the run did not train)."""
+def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any] | None,
+                     preflight: str | None = None) -> dict[str, Any] | None:
+    """From the training task's return value, the job's metrics.json and the preflight gate's summary (None when
+    the run did not train)."""
     if not result:
         return None
     summary, utilization, metrics = result.get("metrics") or {}, result.get("utilization") or {}, metrics or {}
@@ -116,6 +118,13 @@ def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any
         "state": result.get("state"),
         "elapsed_s": result.get("elapsed_s"),
         "gpus": int(gpus) if gpus is not None else None,
+        "ranks": summary.get("world_size"),
+        "nodes": summary.get("nodes"),
+        "rank_placement": ", ".join(summary.get("ranks") or []) or None,
+        "zero_stage": summary.get("zero_stage"),
+        "allreduce_share_in_job": summary.get("allreduce_share_in_job"),
+        "allreduce_preflight": preflight,
+        "gpu_utilization_per_gpu": per_gpu_text(summary.get("gpus_sampled")),
         "gpu_hours": utilization.get("gpu_hours"),
         "mean_gpu_utilization_pct": utilization.get("mean_utilization_pct"),
         "restarts": summary.get("restarts"),
@@ -132,3 +141,14 @@ def loss_points(curve: Any) -> list[list[float]] | None:
     if not curve:
         return None
     return [[point["step"], point["loss"]] if isinstance(point, Mapping) else list(point) for point in curve]
+
+
+def per_gpu_text(per_gpu: Any) -> str | None:
+    """``"gpu-node-01:0 87%, gpu-node-02:0 85%"`` from the job's per-GPU utilization summary (None: not sampled)."""
+    if not per_gpu:
+        return None
+    parts = []
+    for gpu in per_gpu:
+        mean = gpu.get("mean_utilization_pct")
+        parts.append(f"{gpu.get('host')}:{gpu.get('index')} " + ("n/a" if mean is None else f"{mean:.0f}%"))
+    return ", ".join(parts)

@@ -89,8 +89,16 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
         ("state", "state", "Final state", "text", None),
         ("elapsed_s", "elapsed_s", "Elapsed", "number", "s"),
         ("gpus", "gpus", "GPUs allocated", "count", "GPUs"),
+        ("ranks", "ranks", "Ranks (one per GPU)", "count", "ranks"),
+        ("nodes", "nodes", "Nodes", "count", "nodes"),
+        ("rank_placement", "rank_placement", "Rank placement (rank@node)", "text", None),
+        ("zero_stage", "zero_stage", "ZeRO stage", "count", None),
+        ("allreduce_share_in_job", "allreduce_share_in_job", "All-reduce share of a step, measured in the job",
+         "number", "ratio"),
+        ("allreduce_preflight", "allreduce_preflight", "All-reduce preflight (same topology)", "text", None),
         ("gpu_hours", "gpu_hours", "GPU-hours", "number", "GPU-h"),
         ("mean_gpu_utilization_pct", "mean_gpu_utilization_pct", "Mean GPU utilization", "number", "%"),
+        ("gpu_utilization_per_gpu", "gpu_utilization_per_gpu", "Utilization per GPU (the job's own)", "text", None),
         ("restarts", "restarts", "Restarts (requeues)", "count", None),
         ("train_rows_processed", "train_rows_processed", "Training rows processed", "count", "rows"),
         ("step", "step", "Last step", "count", None),
@@ -134,7 +142,8 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
 
 # Figures a stage reports as None on purpose, and what that means.
 NOT_MEASURED_WHEN_NONE: dict[str, dict[tuple[str, ...], str]] = {
-    "training": {("mean_gpu_utilization_pct",): "no GPU sampled"},
+    "training": {("mean_gpu_utilization_pct",): "no GPU sampled", ("gpu_utilization_per_gpu",): "no GPU sampled",
+                 ("allreduce_share_in_job",): "one rank all-reduces no gradients"},
     "evaluation": {("champion", key): "no champion (first model)" for key in ("auc", "log_loss", "version")},
     "deploy": {("previous_version",): "no previous version (first deploy)"},
 }

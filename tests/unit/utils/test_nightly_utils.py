@@ -114,6 +114,16 @@ def test_figures_say_none_rather_than_inventing_values():
     assert figures["gpus"] == 1 and figures["mean_gpu_utilization_pct"] is None and figures["loss_curve"] is None
     manifest = {"row_count": 90, "quarantine": {"rows": 10, "ratio": 0.1}, "input": {"raw_rows": 100},
                 "job": {"seconds": 4.5}}
+    ranks = training_figures(
+        {"job_id": "8", "metrics": {"world_size": 2, "nodes": 2, "ranks": ["0@n1", "1@n2"], "zero_stage": 1,
+                                    "allreduce_share_in_job": 0.07,
+                                    "gpus_sampled": [{"host": "n1", "index": 3, "mean_utilization_pct": 81.4},
+                                                     {"host": "n2", "index": 0, "mean_utilization_pct": None}]}},
+        None, "all-reduce 1.0 ms vs compute 9.0 ms per step = 10.0% of a step")
+    assert (ranks["ranks"], ranks["nodes"], ranks["rank_placement"]) == (2, 2, "0@n1, 1@n2")
+    assert ranks["allreduce_share_in_job"] == 0.07 and ranks["allreduce_preflight"].endswith("10.0% of a step")
+    assert ranks["gpu_utilization_per_gpu"] == "n1:3 81%, n2:0 n/a"
+    assert figures["rank_placement"] is None and figures["gpu_utilization_per_gpu"] is None
     curve = training_figures({"job_id": "7"}, {"loss_curve": [{"step": 10, "loss": 0.5}, {"step": 20, "loss": 0.4}]})
     assert curve["loss_curve"] == [[10, 0.5], [20, 0.4]]
     assert features_figures(manifest, 2) == {"raw_rows": 100, "feature_rows": 90, "quarantined_rows": 10,
