@@ -4,65 +4,14 @@ metrics and a verified checkpoint come back; a requeue of the running job resume
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 import time
 import uuid
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-import pytest
-from hybridflow.hooks.slurm import SlurmHook
-
-FEATURES = ["spend_30d", "visits_7d", "basket_mean", "discount_share"]
-DAYS = ("2026-01-01", "2026-01-02")
-CODE = "/var/lib/hybridflow/code"
-
-
-def write_features(root: Path, ds: str, seed: int, customers: int = 1200) -> None:
-    """One published features partition, as the Spark job leaves it (planted signal in the first features)."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(customers, len(FEATURES)))
-    labels = (rng.random(customers) < 1 / (1 + np.exp(-(1.8 * x[:, 0] - 1.2 * x[:, 1])))).astype(np.int32)
-    table = pa.table({"customer_id": [f"c{seed}-{i}" for i in range(customers)], "label": labels}
-                     | {name: x[:, i].astype(np.float32) for i, name in enumerate(FEATURES)})
-    directory = root / f"ds={ds}"
-    directory.mkdir(parents=True)
-    pq.write_table(table, directory / "part-00000.parquet")
-    (directory / "_MANIFEST.json").write_text(json.dumps({"feature_columns": FEATURES, "ds": ds}))
-    (directory / "_SUCCESS").write_text("")
-
-
-@pytest.fixture
-def training_area(stack):
-    """Features readable by the job user and a run directory it can write, on the shared storage."""
-    storage = Path(stack["HYBRIDFLOW_STORAGE_ROOT"])
-    tag = uuid.uuid4().hex[:8]
-    features = storage / "features" / f"test-{tag}"
-    for seed, ds in enumerate(DAYS):
-        write_features(features, ds, seed)
-    run_dir = f"{storage}/runs/test-train-{tag}"
-    yield features, run_dir
-    shutil.rmtree(features)
-    hook = SlurmHook()
-    hook.run(["rm", "-rf", "--", run_dir])
-    hook.close()
-
-
-def run_config(features: Path, **changes) -> dict:
-    return {
-        "features_root": str(features), "ds_range": {"start": DAYS[0], "end": DAYS[-1]},
-        "model": {"preset": "tiny"}, "epochs": None, "max_steps": 120, "batch_size": 32, "learning_rate": 0.02,
-        "checkpoint_every_steps": 20, "seed": 7, "zero_stage": 1,
-        "deepspeed_config": f"{CODE}/include/deepspeed/zero1.json", "log_every_steps": 10,
-        "progress_every_s": 0.5, "torch_threads": 1,
-    } | changes
-
 
 def test_training_deepspeed_job_on_slurm_completes_with_metrics_and_a_verified_checkpoint(run_dag, training_area,
-                                                                                         stack):
+                                                                                         stack, make_run_config):
     features, run_dir = training_area
     dag_id = f"t_train_{uuid.uuid4().hex[:6]}"
     source = textwrap.dedent(f'''
@@ -71,7 +20,7 @@ def test_training_deepspeed_job_on_slurm_completes_with_metrics_and_a_verified_c
         from hybridflow.operators.training import DeepSpeedTrainingOperator
         with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
             DeepSpeedTrainingOperator(
-                task_id="train", run_config={run_config(features)!r}, run_dir="{run_dir}",
+                task_id="train", run_config={make_run_config(features)!r}, run_dir="{run_dir}",
                 python="{stack["HYBRIDFLOW_CLUSTER_PYTHON"]}", jobs_dir="{stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"]}",
                 partition="gpu-training", gpus_per_node=1, cpus_per_task=2, time_limit=10, poll_interval_s=3,
                 retries=0,
@@ -95,13 +44,13 @@ def test_training_deepspeed_job_on_slurm_completes_with_metrics_and_a_verified_c
     assert owner == "mlops"  # the job ran as the unprivileged job user
 
 
-def test_training_requeue_of_the_running_job_resumes_from_its_last_checkpoint(training_area, stack):
+def test_training_requeue_of_the_running_job_resumes_from_its_last_checkpoint(training_area, stack, make_run_config):
     from hybridflow.operators.training import DeepSpeedTrainingOperator
     from hybridflow.utils.slurm import deterministic_job_name, render_sbatch_script
 
     features, run_dir = training_area
     op = DeepSpeedTrainingOperator(
-        task_id="train", run_config=run_config(features, max_steps=400), run_dir=run_dir,
+        task_id="train", run_config=make_run_config(features, max_steps=400), run_dir=run_dir,
         python=stack["HYBRIDFLOW_CLUSTER_PYTHON"], jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"],
         partition="gpu-training", gpus_per_node=1, cpus_per_task=2, time_limit=10,
     )
