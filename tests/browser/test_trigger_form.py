@@ -23,7 +23,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.integration]
 
 DAG_ID = "nightly_training"
-PARAMS = ["train", "deploy", "model_preset", "gpus", "epochs", "max_steps", "train_window_days", "dry_run"]
+PARAMS = ["train", "deploy", "model_preset", "nodes", "gpus", "epochs", "max_steps", "train_window_days", "dry_run"]
 TERMINAL = ("success", "failed")
 WAIT_S = 30
 TRIGGER_BUTTON = (By.CSS_SELECTOR, "button[aria-label='Trigger Dag']")

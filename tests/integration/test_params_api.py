@@ -55,7 +55,12 @@ def api(stack):
     ({"model_preset": "huge"}, "model_preset", "is not one of"),
     ({"gpus": 99}, "gpus", "greater than the maximum of 8"),
     ({"epochs": 0}, "epochs", "less than the minimum of 1"),
-], ids=["gpus-shell-injection", "model_preset-not-in-enum", "gpus-above-maximum", "epochs-below-minimum"])
+    ({"nodes": 0}, "nodes", "less than the minimum of 1"),
+    ({"nodes": 65}, "nodes", "greater than the maximum of 64"),
+    ({"nodes": "2 --wrap=id"}, "nodes", "is not of type 'integer'"),
+    ({"nodes": None}, "nodes", "is not of type 'integer'"),
+], ids=["gpus-shell-injection", "model_preset-not-in-enum", "gpus-above-maximum", "epochs-below-minimum",
+        "nodes-zero", "nodes-above-maximum", "nodes-option-injection", "nodes-null"])
 def test_trigger_with_an_invalid_param_is_refused(api, conf, param, why):
     run_id = f"params_api_test__{uuid.uuid4().hex[:12]}"
     sent = {**conf, "dry_run": True}
