@@ -6,7 +6,7 @@
     python3 scripts/localstack.py status [--json]     one line per service; exit 1 if any is down
     python3 scripts/localstack.py env                 shell exports for Airflow and the tests
 
-The cluster side (munge, MariaDB, slurmdbd, slurmctld, slurmd, sshd and the shared storage) lives under the
+The cluster side (munge, MariaDB, slurmdbd, slurmctld, one slurmd per node, sshd and the shared storage) lives under the
 profile's `cluster_dir` (default /var/lib/hybridflow) because the daemons' users (slurm, mysql, munge, the job
 user) must traverse it; the Airflow side (Airflow home, Spark standalone, Triton, the S3 endpoint, generated
 keys, PID files) lives under `.state/` in the checkout. Standard library only: it runs before any venv exists.
@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import pwd
+import re
 import secrets
 import shlex
 import shutil
@@ -121,6 +122,28 @@ PROF = load_profile()
 STACK = PROF["stack"]
 P = Paths(Path(STACK["cluster_dir"]))
 JOB_USER = STACK["job_user"]
+
+NODE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+
+
+def slurm_nodes(stack: dict) -> list[str]:
+    """The Slurm nodes this machine runs, one slurmd each. A profile written for the one-node versions (a single
+    `slurm_node`) still works."""
+    nodes = stack["slurm_nodes"] if "slurm_nodes" in stack else [stack.get("slurm_node")]
+    if (not isinstance(nodes, list) or not nodes or len(set(nodes)) != len(nodes)
+            or not all(isinstance(n, str) and NODE_NAME.fullmatch(n) for n in nodes)):
+        sys.exit(f"profile {PROFILE}: stack.slurm_nodes must be a non-empty list of distinct node names "
+                 f"(letters, digits, '-', '_', '.'), not {nodes!r}")
+    return nodes
+
+
+SLURM_NODES = slurm_nodes(STACK)
+# Several slurmd on one machine need a port each: the first node listens on this one, the next on +1, ...
+SLURMD_BASE_PORT = 16821
+
+
+def slurmd_port(node: str) -> int:
+    return SLURMD_BASE_PORT + SLURM_NODES.index(node)
 
 
 def secret(name: str, where: Path, nbytes: int = 24, make: Callable[[int], str] = secrets.token_urlsafe) -> str:
@@ -411,11 +434,16 @@ def start_mariadb() -> int:
 
 # ---------------------------------------------------------------------------------------------- slurm
 def slurm_conf() -> str:
-    s, n = STACK, STACK["slurm_node"]
-    sd = P.slurm
-    node = (f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname().split('.')[0]} "
-            f"CPUs={s['slurm_node_cpus']} RealMemory={s['slurm_node_memory_mb']} "
-            f"Gres=gpu:{s['slurm_gpu_type']}:{s['slurm_gpus']} State=UNKNOWN")
+    s, sd = STACK, P.slurm
+    hostname = socket.gethostname().split('.')[0]
+    # Every node is a slurmd of its own on this machine (multiple-slurmd support): same address, own port.
+    nodes = "\n".join(
+        f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname={hostname} Port={slurmd_port(n)} "
+        f"CPUs={s['slurm_node_cpus']} RealMemory={s['slurm_node_memory_mb']} "
+        f"Gres=gpu:{s['slurm_gpu_type']}:{s['slurm_gpus']} State=UNKNOWN"
+        for n in SLURM_NODES
+    )
+    node_list = ",".join(SLURM_NODES)
     return f"""# Written by scripts/localstack.py; edit include/profiles/local.json instead.
 ClusterName={s['slurm_cluster_name']}
 SlurmctldHost=localhost(127.0.0.1)
@@ -426,11 +454,12 @@ AuthInfo=cred_expire=10
 # Bind slurmctld and slurmd to their configured 127.0.0.1 instead of every address.
 CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 StateSaveLocation={sd}/ctld
-SlurmdSpoolDir={sd}/d
+# %n is the node name: each slurmd on this machine keeps its own spool, pid file and log.
+SlurmdSpoolDir={sd}/d/%n
 SlurmctldPidFile={sd}/run/slurmctld.pid
-SlurmdPidFile={sd}/run/slurmd.pid
+SlurmdPidFile={sd}/run/slurmd-%n.pid
 SlurmctldLogFile={sd}/log/slurmctld.log
-SlurmdLogFile={sd}/log/slurmd.log
+SlurmdLogFile={sd}/log/slurmd-%n.log
 # No cgroups here: track processes by /proc and bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -439,7 +468,7 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
-# Lets the node advertise the CPUs and GPUs of a GPU node on a 2-core machine.
+# Lets each node advertise the CPUs and GPUs of a GPU node on a 2-core machine.
 SlurmdParameters=config_overrides
 MinJobAge=300
 GresTypes=gpu
@@ -447,16 +476,21 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStorageTRES=gres/gpu
 JobAcctGatherType=jobacct_gather/none
-{node}
-PartitionName=cpu Nodes={n} Default=YES MaxTime=INFINITE State=UP
-PartitionName=gpu-training Nodes={n} MaxTime=INFINITE State=UP
+{nodes}
+PartitionName=cpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
+PartitionName=gpu-training Nodes={node_list} MaxTime=INFINITE State=UP
 """
+
+
+def gres_dir(node: str) -> Path:
+    """The node's GPU device files: every node has its own set."""
+    return P.gres / node
 
 
 def gres_conf() -> str:
     last = STACK["slurm_gpus"] - 1
-    return (f"NodeName={STACK['slurm_node']} Name=gpu Type={STACK['slurm_gpu_type']} "
-            f"File={P.gres}/gpu[0-{last}]\n")
+    return "".join(f"NodeName={n} Name=gpu Type={STACK['slurm_gpu_type']} File={gres_dir(n)}/gpu[0-{last}]\n"
+                   for n in SLURM_NODES)
 
 
 def slurmdbd_conf() -> str:
@@ -476,20 +510,74 @@ StorageLoc=slurm_acct_db
 """
 
 
-def configure_slurm() -> None:
+def configure_slurm() -> tuple[str, bool]:
+    """Write the Slurm configs; returns the digest of what slurmctld and slurmd read, and whether it changed."""
     for sub in ("", "ctld", "d", "run", "log"):
         ensure_dir(P.slurm / sub, owner="slurm")
     ensure_dir(P.gres)
-    # GPUs declared as GRES need device files; /dev/null's numbers make harmless ones (shared/notes).
-    for i in range(STACK["slurm_gpus"]):
-        dev = P.gres / f"gpu{i}"
-        if not dev.exists():
-            run(["mknod", "-m", "0666", str(dev), "c", "1", "3"])
+    for node in SLURM_NODES:
+        ensure_dir(P.slurm / "d" / node, owner="slurm")
+        # GPUs declared as GRES need device files; /dev/null's numbers make harmless ones (shared/notes).
+        ensure_dir(gres_dir(node))
+        for i in range(STACK["slurm_gpus"]):
+            dev = gres_dir(node) / f"gpu{i}"
+            if not dev.exists():
+                run(["mknod", "-m", "0666", str(dev), "c", "1", "3"])
     etc = Path("/etc/slurm")
-    write_if_changed(etc / "slurm.conf", slurm_conf())
-    write_if_changed(etc / "gres.conf", gres_conf())
+    slurm, gres = slurm_conf(), gres_conf()
+    changed = write_if_changed(etc / "slurm.conf", slurm)
+    changed = write_if_changed(etc / "gres.conf", gres) or changed
     # slurmdbd refuses a config readable by others, or not owned by SlurmUser.
     write_if_changed(etc / "slurmdbd.conf", slurmdbd_conf(), mode=0o600, owner="slurm")
+    return hashlib.sha256((slurm + gres).encode()).hexdigest(), changed
+
+
+def proc_comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def slurm_daemons() -> dict[Path, int]:
+    """The live slurmctld and slurmd processes, by the pid files Slurm writes: every node's, also one no longer
+    configured and the one-node `slurmd.pid` of older versions."""
+    run_dir = P.slurm / "run"
+    found = {}
+    for path in [run_dir / "slurmctld.pid", *sorted(run_dir.glob("slurmd*.pid"))]:
+        comm = "slurmctld" if path.name == "slurmctld.pid" else "slurmd"
+        if comm == "slurmd" and not (path.name == "slurmd.pid" or path.name.startswith("slurmd-")):
+            continue  # slurmdbd.pid
+        pid = read_pid(path)
+        if pid is not None and pid_alive(pid) and proc_comm(pid) == comm:
+            found[path] = pid
+    return found
+
+
+SLURM_CONF_STAMP = P.slurm / "run" / "daemons-conf.sha256"
+
+
+def reconcile_slurm_config() -> bool:
+    """Write the Slurm configs; stop the running slurmctld and slurmd if they read other ones, so that this `up`
+    starts them again on the new files. slurmctld 22.05 needs a restart for a changed node set, and a slurmd reads
+    its node's line and gres.conf only at start. True when daemons were stopped."""
+    digest, changed = configure_slurm()
+    running = slurm_daemons()
+    # The stamp is the config every running daemon was started with; no stamp: started by an older version.
+    stale = not SLURM_CONF_STAMP.exists() or SLURM_CONF_STAMP.read_text().strip() != digest
+    if running and (changed or stale):
+        log(f"Slurm configuration changed; restarting {', '.join(p.name[:-4] for p in running)}")
+        # The slurmds first, the controller last: no node reports to a controller that is going away.
+        for path, pid in sorted(running.items(), key=lambda item: item[0].name == "slurmctld.pid"):
+            stop_pid(path.name[:-4], pid, group=False)  # not its group: running job steps survive
+            if not pid_alive(pid):
+                path.unlink(missing_ok=True)
+    SLURM_CONF_STAMP.write_text(digest + "\n")
+    # This checkout's pid file from the one-node versions names no service any more.
+    legacy = LEGACY_SLURMD.owned_pid()
+    if legacy is None:
+        LEGACY_SLURMD.pidfile.unlink(missing_ok=True)
+    return bool(running) and (changed or stale)
 
 
 def slurmdbd_ready() -> bool:
@@ -515,29 +603,47 @@ def start_slurmctld() -> int:
     return wait_pidfile(P.slurm / "run" / "slurmctld.pid")
 
 
-def node_state() -> str:
+def node_state(node: str) -> str:
     if shutil.which("sinfo") is None:
         return ""
-    out = subprocess.run(["sinfo", "-h", "-N", "-n", STACK["slurm_node"], "-o", "%T"], capture_output=True,
-                         text=True)
+    out = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True)
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
 
 
-def slurmd_ready() -> bool:
-    state = node_state()
-    return bool(state) and not any(bad in state for bad in ("down", "drain", "unknown", "not_responding"))
+def slurmd_pidfile(node: str) -> Path:
+    return P.slurm / "run" / f"slurmd-{node}.pid"  # SlurmdPidFile's %n
 
 
-def start_slurmd() -> int:
+def slurmd_pid(node: str) -> int | None:
+    pid = read_pid(slurmd_pidfile(node))
+    return pid if pid is not None and pid_alive(pid) and proc_comm(pid) == "slurmd" else None
+
+
+def slurmd_ready(node: str) -> Callable[[], bool]:
+    def ready() -> bool:
+        # slurmctld keeps showing a node idle for minutes after its slurmd died: the process must be there too.
+        if slurmd_pid(node) is None:
+            return False
+        state = node_state(node)
+        return bool(state) and not any(bad in state for bad in ("down", "drain", "unknown", "not_responding"))
+
+    return ready
+
+
+def start_slurmd(node: str) -> int:
     configure_slurm()
-    run(["/usr/sbin/slurmd", "-N", STACK["slurm_node"]])
-    pid = wait_pidfile(P.slurm / "run" / "slurmd.pid")
+    old = slurmd_pid(node)
+    if old is not None:  # alive but its node is not usable (drained, down): start it afresh
+        stop_pid(f"slurmd-{node}", old, group=False)
+    slurmd_pidfile(node).unlink(missing_ok=True)
+    run(["/usr/sbin/slurmd", "-N", node])
+    pid = wait_pidfile(slurmd_pidfile(node))
     # ReturnToService=2 does not clear a drain left by an earlier run.
+    ready = slurmd_ready(node)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not slurmd_ready():
-        if any(bad in node_state() for bad in ("drain", "down")):
-            subprocess.run(["scontrol", "update", f"NodeName={STACK['slurm_node']}", "State=RESUME"],
-                           capture_output=True)
+    while time.monotonic() < deadline and not ready():
+        if any(bad in node_state(node) for bad in ("drain", "down")):
+            subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
         time.sleep(0.5)
     return pid
 
@@ -852,8 +958,9 @@ def services() -> list[Service]:
                 logfile=P.slurm / "log/slurmdbd.log"),
         Service("slurmctld", slurmctld_ready, start_slurmctld, comm="slurmctld", endpoint="127.0.0.1:6817",
                 logfile=P.slurm / "log/slurmctld.log"),
-        Service("slurmd", slurmd_ready, start_slurmd, comm="slurmd", endpoint=STACK["slurm_node"],
-                logfile=P.slurm / "log/slurmd.log"),
+        *[Service(f"slurmd-{node}", slurmd_ready(node), lambda node=node: start_slurmd(node), comm="slurmd",
+                  endpoint=f"{node} 127.0.0.1:{slurmd_port(node)}", logfile=P.slurm / f"log/slurmd-{node}.log")
+          for node in SLURM_NODES],
         Service("sshd", sshd_ready, start_sshd, comm="sshd", endpoint=f"ssh://{JOB_USER}@127.0.0.1:{sp}"),
         Service("spark-master", lambda: port_open(STACK["spark_master_port"]), start_spark_master, comm="java",
                 endpoint=f"spark://127.0.0.1:{STACK['spark_master_port']}", logfile=P.logs / "spark-master.log"),
@@ -878,9 +985,17 @@ def services() -> list[Service]:
     ]
 
 
+# The one-node versions' slurmd service: only its pid file is still read (`up` and `down` stop that slurmd).
+LEGACY_SLURMD = Service("slurmd", lambda: False, lambda: None, comm="slurmd")
+SLURM_SERVICES = ("slurmdbd", "slurmctld", "slurmd-")
+
+
 def by_name(names: list[str]) -> list[Service]:
     all_services = services()
     known = {s.name for s in all_services}
+    # `slurmd` (the one service of the one-node versions) means every node's slurmd.
+    names = [n for name in names for n in ([s.name for s in all_services if s.name.startswith("slurmd-")]
+                                           if name == "slurmd" else [name])]
     unknown = sorted(set(names) - known)
     if unknown:
         sys.exit(f"unknown service(s) {', '.join(unknown)}; choose from: {', '.join(s.name for s in all_services)}")
@@ -903,6 +1018,10 @@ def cmd_up(names: list[str]) -> int:
     chosen = by_name(names)
     if any(s.name.startswith("airflow") for s in chosen):
         migrate_airflow_db()
+    if any(s.name.startswith(SLURM_SERVICES) for s in chosen) and reconcile_slurm_config():
+        # Restarted on a changed configuration: the controller and every node come back, whatever was asked.
+        wanted = {s.name for s in chosen}
+        chosen = [s for s in services() if s.name in wanted or s.name == "slurmctld" or s.name.startswith("slurmd-")]
     pending: list[Service] = []
     env_digest = hashlib.sha256(json.dumps(airflow_env(), sort_keys=True).encode()).hexdigest()
     # Airflow's components are the slowest to start and need nothing from the cluster: start them first.
@@ -913,7 +1032,7 @@ def cmd_up(names: list[str]) -> int:
         if restart:
             # A running component keeps the environment it was started with (connections included).
             log(f"{svc.name}: environment changed since it started; restarting it")
-            stop_pid(svc, svc.owned_pid())
+            stop_pid(svc.name, svc.owned_pid())
         if not restart and svc.ready():
             note = "" if svc.owned_pid() else " (not started by this checkout; left alone by `down`)"
             log(f"{svc.name}: already up{note}")
@@ -936,10 +1055,10 @@ def cmd_up(names: list[str]) -> int:
     return cmd_status(names, as_json=False)
 
 
-def stop_pid(svc: Service, pid: int) -> None:
+def stop_pid(name: str, pid: int, group: bool = True) -> None:
     # Processes we spawned lead their own session: signal the group so children go too.
     try:
-        target = -pid if os.getpgid(pid) == pid else pid
+        target = -pid if group and os.getpgid(pid) == pid else pid
         os.kill(target, signal.SIGTERM)
     except ProcessLookupError:
         return
@@ -947,7 +1066,7 @@ def stop_pid(svc: Service, pid: int) -> None:
     while time.monotonic() < deadline and pid_alive(pid):
         time.sleep(0.2)
     if pid_alive(pid):
-        log(f"{svc.name}: did not stop after SIGTERM; sending SIGKILL")
+        log(f"{name}: did not stop after SIGTERM; sending SIGKILL")
         try:
             os.kill(target, signal.SIGKILL)
         except ProcessLookupError:
@@ -955,13 +1074,16 @@ def stop_pid(svc: Service, pid: int) -> None:
 
 
 def cmd_down(names: list[str]) -> int:
-    for svc in reversed(by_name(names)):
+    chosen = by_name(names)
+    if any(s.name.startswith("slurmd-") for s in chosen):
+        chosen.append(LEGACY_SLURMD)  # a slurmd started by a one-node version (stopped first: reversed below)
+    for svc in reversed(chosen):
         pid = svc.owned_pid()
         if pid is None:
             svc.pidfile.unlink(missing_ok=True)
             continue
         log(f"{svc.name}: stopping pid {pid}")
-        stop_pid(svc, pid)
+        stop_pid(svc.name, pid)
         svc.pidfile.unlink(missing_ok=True)
     return 0
 

@@ -19,10 +19,11 @@ from hybridflow.hooks.storage import StorageHook
 
 @pytest.fixture
 def all_gpus_taken(stack):
-    """A job holding every GPU of the partition, cancelled at the end."""
+    """A job holding every GPU of the partition (all 8 on each of its nodes), cancelled at the end."""
     hook = SlurmHook()
-    job_id = hook.submit("#!/bin/bash\n#SBATCH --partition=gpu-training\n#SBATCH --gres=gpu:8\n"
-                         "#SBATCH --output=/dev/null\nsleep 600\n")
+    nodes = sum(int(n) for n in hook.run(["sinfo", "-h", "-p", "gpu-training", "-o", "%D"]).stdout.split())
+    job_id = hook.submit(f"#!/bin/bash\n#SBATCH --partition=gpu-training\n#SBATCH --nodes={nodes}\n"
+                         "#SBATCH --gres=gpu:8\n#SBATCH --output=/dev/null\nsleep 600\n")
     deadline = time.monotonic() + 30
     while hook.status(job_id).state != "RUNNING" and time.monotonic() < deadline:
         time.sleep(0.5)

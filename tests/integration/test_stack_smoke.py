@@ -217,7 +217,8 @@ def test_local_stack_status_reports_every_service_up(stack):
     rows = json.loads(status.stdout)
     assert status.returncode == 0, status.stdout
     assert {r["service"] for r in rows} >= {
-        "munge", "mariadb", "slurmdbd", "slurmctld", "slurmd", "sshd", "spark-master", "spark-worker", "triton",
+        "munge", "mariadb", "slurmdbd", "slurmctld", "slurmd-gpu-node-01", "slurmd-gpu-node-02", "sshd",
+        "spark-master", "spark-worker", "triton",
         "s3", "airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer",
     }
     assert all(r["up"] for r in rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -37,6 +38,7 @@ REQUIRED_SERVICES = {
     "slurm-db",
     "slurm-controller",
     "slurm-gpu-node",
+    "slurm-gpu-node-02",
     "minio",
     "minio-init",
     "triton",
@@ -45,7 +47,8 @@ ONE_SHOT_SERVICES = {"airflow-init", "minio-init"}
 LONG_RUNNING_SERVICES = sorted(set(SERVICES) - ONE_SHOT_SERVICES)
 AIRFLOW_SERVICES = sorted(name for name in SERVICES if name.startswith("airflow-"))
 AIRFLOW_COMPONENTS = ["airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"]
-GPU_SERVICES = ["slurm-gpu-node", "triton"]
+SLURM_GPU_NODE_SERVICES = ["slurm-gpu-node", "slurm-gpu-node-02"]
+GPU_SERVICES = [*SLURM_GPU_NODE_SERVICES, "triton"]
 SPARK_DAEMONS = {
     "spark-master": "org.apache.spark.deploy.master.Master",
     "spark-worker": "org.apache.spark.deploy.worker.Worker",
@@ -370,7 +373,7 @@ def test_compose_model_repository_volume_is_shared(name, target):
     assert _mounts(SERVICES[name]).get(target) == "model-repository"
 
 
-@pytest.mark.parametrize("name", [*AIRFLOW_SERVICES, "spark-worker", "slurm-gpu-node"])
+@pytest.mark.parametrize("name", [*AIRFLOW_SERVICES, "spark-worker", *SLURM_GPU_NODE_SERVICES])
 def test_compose_data_volume_is_shared_at_one_path(name):
     assert _mounts(SERVICES[name]).get("/var/lib/hybridflow") == "hybridflow-data"
 
@@ -496,3 +499,80 @@ def test_compose_env_example_holds_placeholders_for_secrets():
         if (SECRET_NAME.search(key) or key in REQUIRED_VARIABLES) and "change-me" not in value
     }
     assert literal == {}, "secrets in .env.example must be change-me placeholders"
+
+
+SLURM_BUILD = COMPOSE["x-slurm-common"]["build"]
+SLURM_DOCKERFILE = REPO / SLURM_BUILD["context"] / SLURM_BUILD["dockerfile"]
+# `${VAR:-default}` as compose resolves it without a .env: the default.
+DEFAULTED_VARIABLE = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-([^}]*)\}")
+
+
+def _slurm_nodes_env(service: dict) -> dict[str, str]:
+    """SLURM_NODES as NodeName -> address."""
+    return dict(entry.split(":", 1) for entry in _environment(service)["SLURM_NODES"].split())
+
+
+def _render_slurm_conf(service: str) -> tuple[list[str], list[str]]:
+    """slurm.conf and gres.conf lines as the image's entrypoint renders them with this service's environment."""
+    text = SLURM_DOCKERFILE.read_text()
+    script = re.search(r"^COPY [^\n]*<<'SCRIPT' /usr/local/bin/slurm-entrypoint\n(.*?)^SCRIPT$", text,
+                       re.MULTILINE | re.DOTALL).group(1)
+    env = {key: DEFAULTED_VARIABLE.sub(r"\1", value) for key, value in _environment(SERVICES[service]).items()
+           if not REQUIRED_VARIABLE_REF.search(value)}
+    done = subprocess.run(["bash", "-s", "render-conf"], input=script, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", **env}, timeout=30)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    gres = [line for line in lines if " Name=gpu " in line]
+    return [line for line in lines if line not in gres], gres
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(word.split("=", 1) for word in line.split())
+
+
+def test_compose_runs_two_slurm_gpu_nodes():
+    nodes = sorted(name for name, service in SERVICES.items() if service.get("command") == "gpu-node")
+    assert nodes == SLURM_GPU_NODE_SERVICES
+    names = [_environment(SERVICES[name])["SLURM_NODE_NAME"] for name in nodes]
+    assert names == ["gpu-node-01", "gpu-node-02"]
+    for name in nodes:
+        service = SERVICES[name]
+        node = _environment(service)["SLURM_NODE_NAME"]
+        assert service["hostname"] == node
+        # Each node's address in slurm.conf is its own compose service.
+        assert _slurm_nodes_env(service)[node] == name
+        assert "munge_key" in service["secrets"]
+        assert _depends_on(service)["slurm-controller"]["condition"] == "service_healthy"
+        # Healthy only while its own node takes jobs.
+        assert f"sinfo -h -N -n {node} " in " ".join(service["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize("name", ["slurm-controller", *SLURM_GPU_NODE_SERVICES])
+def test_compose_slurm_services_agree_on_the_node_list(name):
+    """Controller and nodes render slurm.conf from the same SLURM_NODES, or slurmctld rejects a node."""
+    assert _slurm_nodes_env(SERVICES[name]) == {"gpu-node-01": "slurm-gpu-node", "gpu-node-02": "slurm-gpu-node-02"}
+
+
+def test_compose_only_the_first_gpu_node_is_the_ssh_login_node():
+    login = [name for name in SLURM_GPU_NODE_SERVICES if _environment(SERVICES[name]).get("SLURM_LOGIN_NODE") == "true"]
+    assert login == ["slurm-gpu-node"]
+    assert _connection("AIRFLOW_CONN_SLURM_SSH")["host"] == "slurm-gpu-node"
+    assert {"slurm_ssh_host_key", "slurm_ssh_authorized_keys"} <= set(SERVICES["slurm-gpu-node"]["secrets"])
+    assert "127.0.0.1:2222:2222" in SERVICES["slurm-gpu-node"]["ports"]
+    assert not SERVICES["slurm-gpu-node-02"].get("ports")
+    assert not set(SERVICES["slurm-gpu-node-02"]["secrets"]) & {"slurm_ssh_host_key", "slurm_ssh_authorized_keys"}
+
+
+@pytest.mark.parametrize("name", ["slurm-controller", *SLURM_GPU_NODE_SERVICES])
+def test_compose_slurm_conf_puts_both_gpu_nodes_in_both_partitions(name):
+    conf, gres = _render_slurm_conf(name)
+    nodes = {_fields(line)["NodeName"]: _fields(line) for line in conf if line.startswith("NodeName=")}
+    assert list(nodes) == ["gpu-node-01", "gpu-node-02"]
+    assert {node["NodeAddr"] for node in nodes.values()} == set(SLURM_GPU_NODE_SERVICES)
+    assert all(node["Gres"] == "gpu:h200:8" and node["CPUs"] == "8" for node in nodes.values())
+    partitions = {_fields(line)["PartitionName"]: _fields(line)["Nodes"].split(",")
+                  for line in conf if line.startswith("PartitionName=")}
+    assert partitions == {"cpu": ["gpu-node-01", "gpu-node-02"], "gpu-training": ["gpu-node-01", "gpu-node-02"]}
+    assert [_fields(line)["NodeName"] for line in gres] == ["gpu-node-01", "gpu-node-02"]
+    assert all(_fields(line)["File"] == "/dev/nvidia[0-7]" and _fields(line)["Type"] == "h200" for line in gres)

@@ -50,15 +50,159 @@ def test_localstack_profile_has_no_secrets_and_verifies_host_keys():
         assert conn.get("password", "${").startswith("${"), f"{conn_id}: password must come from generated state"
 
 
+def test_localstack_profile_names_two_slurm_nodes():
+    stack = json.loads((REPO / "include/profiles/local.json").read_text())["stack"]
+    assert stack["slurm_nodes"] == ["gpu-node-01", "gpu-node-02"]
+    assert "slurm_node" not in stack
+
+
+@pytest.mark.parametrize(
+    "stack, expected",
+    [
+        ({"slurm_nodes": ["a-01", "b-02"]}, ["a-01", "b-02"]),
+        ({"slurm_node": "gpu-node-01"}, ["gpu-node-01"]),  # a profile copied from a one-node version
+    ],
+)
+def test_localstack_slurm_nodes_from_profile(localstack, stack, expected):
+    assert localstack.slurm_nodes(stack) == expected
+
+
+@pytest.mark.parametrize("nodes", [[], ["n1", "n1"], ["n/1"], ["n 1"], "gpu-node-01", [1], None])
+def test_localstack_slurm_nodes_rejects_bad_lists(localstack, nodes):
+    with pytest.raises(SystemExit, match="slurm_nodes"):
+        localstack.slurm_nodes({"slurm_nodes": nodes})
+
+
+def _node_lines(conf: str) -> dict[str, dict[str, str]]:
+    nodes = {}
+    for line in conf.splitlines():
+        if line.startswith("NodeName="):
+            fields = dict(word.split("=", 1) for word in line.split())
+            nodes[fields["NodeName"]] = fields
+    return nodes
+
+
 def test_localstack_slurm_conf_declares_both_partitions_and_gpus(localstack):
     conf = localstack.slurm_conf()
     lines = conf.splitlines()
     assert "GresTypes=gpu" in lines
     assert any(line.startswith("PartitionName=gpu-training ") for line in lines)
     assert any(line.startswith("PartitionName=cpu ") and "Default=YES" in line for line in lines)
-    (node,) = [line for line in lines if line.startswith("NodeName=")]
-    assert "Gres=gpu:h200:8" in node and "NodeAddr=127.0.0.1" in node
-    assert localstack.gres_conf().endswith("/gpu[0-7]\n")
+    nodes = _node_lines(conf)
+    assert list(nodes) == ["gpu-node-01", "gpu-node-02"]
+    for node in nodes.values():
+        assert node["Gres"] == "gpu:h200:8" and node["NodeAddr"] == "127.0.0.1"
+        assert node["CPUs"] == "8" and node["RealMemory"] == "20000"
+
+
+def test_localstack_slurm_conf_gives_each_node_its_own_port(localstack):
+    nodes = _node_lines(localstack.slurm_conf())
+    ports = [node["Port"] for node in nodes.values()]
+    assert len(set(ports)) == len(ports) == 2
+    assert "6817" not in ports and "6819" not in ports  # slurmctld and slurmdbd
+    assert {node["NodeHostname"] for node in nodes.values()} == {localstack.socket.gethostname().split(".")[0]}
+
+
+def test_localstack_slurm_conf_puts_every_node_in_both_partitions(localstack):
+    partitions = {
+        fields["PartitionName"]: fields["Nodes"].split(",")
+        for fields in (dict(word.split("=", 1) for word in line.split())
+                       for line in localstack.slurm_conf().splitlines() if line.startswith("PartitionName="))
+    }
+    assert partitions == {"cpu": ["gpu-node-01", "gpu-node-02"], "gpu-training": ["gpu-node-01", "gpu-node-02"]}
+
+
+def test_localstack_slurm_conf_gives_each_slurmd_its_own_files(localstack):
+    settings = dict(line.split("=", 1) for line in localstack.slurm_conf().splitlines()
+                    if "=" in line and not line.startswith(("#", "NodeName=", "PartitionName=")))
+    for key in ("SlurmdPidFile", "SlurmdLogFile", "SlurmdSpoolDir"):
+        assert "%n" in settings[key], key
+    # Not the one-node versions' names: a pid file left by one is never taken for a node's.
+    assert not settings["SlurmdPidFile"].endswith("/slurmd.pid")
+    assert localstack.slurmd_pidfile("gpu-node-02").name == "slurmd-gpu-node-02.pid"
+    assert settings["SlurmdPidFile"].replace("%n", "gpu-node-02") == str(localstack.slurmd_pidfile("gpu-node-02"))
+
+
+def test_localstack_gres_conf_has_one_line_and_own_devices_per_node(localstack):
+    lines = localstack.gres_conf().splitlines()
+    assert [line.split()[0] for line in lines] == ["NodeName=gpu-node-01", "NodeName=gpu-node-02"]
+    files = [dict(word.split("=", 1) for word in line.split())["File"] for line in lines]
+    assert all(f.endswith("/gpu[0-7]") for f in files)
+    assert len(set(files)) == 2
+    for line in lines:
+        fields = dict(word.split("=", 1) for word in line.split())
+        assert fields["Name"] == "gpu" and fields["Type"] == "h200"
+        assert fields["File"] == f"{localstack.gres_dir(fields['NodeName'])}/gpu[0-7]"
+
+
+def test_localstack_runs_one_slurmd_service_per_node(localstack):
+    services = {svc.name: svc for svc in localstack.services()}
+    slurmds = [name for name in services if name.startswith("slurmd-")]
+    assert slurmds == ["slurmd-gpu-node-01", "slurmd-gpu-node-02"]
+    assert services["slurmd-gpu-node-02"].logfile.name == "slurmd-gpu-node-02.log"
+    assert len({services[name].pidfile for name in slurmds}) == 2
+    assert all(services[name].comm == "slurmd" for name in slurmds)
+    # `slurmd`, the one-node versions' service name, still selects them: every node's slurmd.
+    assert [svc.name for svc in localstack.by_name(["slurmd"])] == slurmds
+
+
+def test_localstack_finds_slurm_daemons_by_their_pid_files(localstack, tmp_path, monkeypatch):
+    monkeypatch.setattr(localstack, "P", localstack.Paths(tmp_path))
+    run_dir = tmp_path / "slurm" / "run"
+    run_dir.mkdir(parents=True)
+    comms = {101: "slurmctld", 102: "slurmd", 103: "slurmd", 104: "slurmdbd", 105: "bash"}
+    for name, pid in [("slurmctld", 101), ("slurmd", 102), ("slurmd-gpu-node-02", 103), ("slurmdbd", 104),
+                      ("slurmd-gpu-node-01", 105)]:
+        (run_dir / f"{name}.pid").write_text(f"{pid}\n")
+    monkeypatch.setattr(localstack, "pid_alive", lambda pid: True)
+    monkeypatch.setattr(localstack, "proc_comm", comms.get)
+    found = {path.name: pid for path, pid in localstack.slurm_daemons().items()}
+    # The one-node versions' slurmd.pid counts; slurmdbd's does not; a recycled PID (not slurmd) does not.
+    assert found == {"slurmctld.pid": 101, "slurmd.pid": 102, "slurmd-gpu-node-02.pid": 103}
+
+
+@pytest.fixture
+def reconcile(localstack, tmp_path, monkeypatch):
+    """reconcile_slurm_config() with the daemons, the stamp and the configs faked; returns what it stopped."""
+    state = {"digest": "new", "changed": False, "running": {}, "stopped": []}
+    monkeypatch.setattr(localstack, "SLURM_CONF_STAMP", tmp_path / "stamp")
+    monkeypatch.setattr(localstack, "configure_slurm", lambda: (state["digest"], state["changed"]))
+    monkeypatch.setattr(localstack, "slurm_daemons", lambda: dict(state["running"]))
+    monkeypatch.setattr(localstack, "stop_pid", lambda name, pid, group=True: state["stopped"].append((name, group)))
+    monkeypatch.setattr(localstack, "pid_alive", lambda pid: False)
+    legacy = type("Legacy", (), {"pidfile": tmp_path / "legacy.pid", "owned_pid": lambda self: None})()
+    monkeypatch.setattr(localstack, "LEGACY_SLURMD", legacy)
+
+    def call(running=(), stamp=None, changed=False):
+        state.update(changed=changed, stopped=[],
+                     running={tmp_path / f"{name}.pid": i for i, name in enumerate(running, start=100)})
+        if stamp is None:
+            (tmp_path / "stamp").unlink(missing_ok=True)
+        else:
+            (tmp_path / "stamp").write_text(stamp + "\n")
+        restarted = localstack.reconcile_slurm_config()
+        assert (tmp_path / "stamp").read_text().strip() == "new"
+        return restarted, state["stopped"]
+
+    return call
+
+
+def test_localstack_upgrade_restarts_daemons_started_on_another_config(reconcile):
+    # A machine running the one-node stack: no stamp, the old slurmd.pid.
+    restarted, stopped = reconcile(running=["slurmctld", "slurmd"], stamp=None, changed=True)
+    assert restarted
+    assert stopped == [("slurmd", False), ("slurmctld", False)]  # nodes first; never their process group
+    restarted, stopped = reconcile(running=["slurmctld", "slurmd-gpu-node-01"], stamp="old")
+    assert restarted and [name for name, _ in stopped] == ["slurmd-gpu-node-01", "slurmctld"]
+    # Someone rewrote slurm.conf (an older checkout's `up`) although the stamp matches.
+    restarted, _ = reconcile(running=["slurmctld"], stamp="new", changed=True)
+    assert restarted
+
+
+def test_localstack_unchanged_config_restarts_nothing(reconcile):
+    assert reconcile(running=["slurmctld", "slurmd-gpu-node-01", "slurmd-gpu-node-02"], stamp="new") == (False, [])
+    # Nothing running (a fresh machine, after `down`): nothing to restart; the daemons will read the new files.
+    assert reconcile(running=[], stamp=None, changed=True) == (False, [])
 
 
 def test_localstack_sshd_conf_is_loopback_key_only(localstack):
