@@ -3,10 +3,10 @@
 
 One day's data through the whole estate: raw events -> **features** (Spark) -> **quality** gate -> **capacity**
 gate (`nodes` x `gpus` free) -> **training** (DeepSpeed on the Slurm GPU partition, one rank per GPU launched by
-`srun`, deferrable, resumable) -> **checkpoint** gate -> **evaluation** (challenger vs the model of record on the same holdout; promote only when better by the
-configured margin) -> **scoring** (Spark, with the model of record) -> **deploy** (Triton: readiness, smoke test,
-latency gate, promote or roll back) -> **report** (HTML + JSON: volumes, quality, loss curve, GPU-hours,
-utilization, cost, latency).
+`srun`, deferrable, resumable) -> **checkpoint** gate -> **evaluation** (challenger vs the model of record on the
+same holdout; promote only when better by the configured margin) -> **scoring** (Spark, with the model of record)
+-> **deploy** (Triton: readiness, smoke test, latency gate, promote or roll back) -> **report** (HTML + JSON:
+volumes, quality, loss curve, ranks, all-reduce share, GPU-hours, utilization, cost, latency).
 
 - Scheduled nightly; reruns of a date replace its outputs, never duplicate them.
 - Backfills (`airflow backfill create` or the UI) recompute features and re-score history with the model of record;

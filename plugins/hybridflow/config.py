@@ -122,7 +122,8 @@ class NightlyConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive integer")
         if self.zero_stage not in ZERO_STAGES:
-            raise ConfigError(f"{where}.zero_stage: {self.zero_stage}; choose one of {', '.join(map(str, ZERO_STAGES))}")
+            stages = ", ".join(map(str, ZERO_STAGES))
+            raise ConfigError(f"{where}.zero_stage: {self.zero_stage}; choose one of {stages}")
         if not 0 <= self.min_auc_gain < 1:
             raise ConfigError(f"{where}.min_auc_gain: {self.min_auc_gain}; expected a value in [0, 1)")
         if not self.learning_rate > 0:

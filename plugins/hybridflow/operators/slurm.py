@@ -132,7 +132,8 @@ class SlurmSubmitOperator(BaseOperator):
         return SlurmJobSpec(
             job_name=name, partition=self.partition, command=self.command, nodes=_whole(self.nodes, "nodes"),
             gpus_per_node=_whole(self.gpus_per_node, "gpus_per_node"),
-            ranks_per_node=_whole(self.ranks_per_node, "ranks_per_node"), gpu_type=self.gpu_type, cpus_per_task=self.cpus_per_task,
+            ranks_per_node=_whole(self.ranks_per_node, "ranks_per_node"), gpu_type=self.gpu_type,
+            cpus_per_task=self.cpus_per_task,
             mem=self.mem, time_limit=time_limit, account=self.account, qos=self.qos, constraint=self.constraint,
             signal=self.signal, requeue=self.requeue, output=f"{self.log_dir}/%x-%j.out",
             error=f"{self.log_dir}/%x-%j.err", setup_lines=self.setup_lines, env=self.env,

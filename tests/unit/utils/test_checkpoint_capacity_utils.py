@@ -86,7 +86,7 @@ def test_capacity_verdict(nodes, queue, gpus, nodes_needed, ok, fragment):
     "nodes, gpus, nodes_needed, fragment",
     [
         ([node("n1"), node("n2")], 9, 1, "its largest node is n2 with 8 GPU(s); ask for at most 8 GPU(s) per node"),
-        ([node("n1"), node("n2")], 1, 3, "only 2 of its 2 node(s) have 1+ GPUs (largest: n2 with 8); ask for at most 2"),
+        ([node("n1"), node("n2")], 1, 3, "only 2 of its 2 node(s) have 1+ GPUs (largest: n2 with 8); ask for at most"),
         ([node("a", total=4), node("b", total=8)], 8, 2, "only 1 of its 2 node(s) have 8+ GPUs (largest: b with 8)"),
         ([node("n1", total=0)], 1, 1, "its largest node is n1 with 0 GPU(s)"),
     ],
