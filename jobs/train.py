@@ -15,7 +15,9 @@ config file's directory; keys starting with "_" are comments)::
       "model": {"preset": "small"},                     or {"hidden_sizes": [64, 32], "dropout": 0.1}
       "model_presets_path": "...",                      optional; default include/config/model_presets.json
       "epochs": 3,                                      and/or "max_steps": 500 (whichever ends first)
-      "batch_size": 256,                                rows per process per step
+      "batch_size": 256,                                rows per process per micro-batch
+      "gradient_accumulation_steps": 1,                 optional: micro-batches per optimizer step; global
+                                                        batch = batch_size x this x ranks (nodes x gpus)
       "learning_rate": 0.001,
       "checkpoint_every_steps": 100,
       "keep_last_checkpoints": 3,                       optional; default keeps every checkpoint
@@ -26,23 +28,32 @@ config file's directory; keys starting with "_" are comments)::
       "log_every_steps": 10,                            optional: loss curve resolution
       "progress_every_s": 5,                            optional: progress.json at most this often
       "gpu_sample_every_s": 5,                          optional: nvidia-smi sampling period
-      "torch_threads": 4                                optional; default SLURM_CPUS_PER_TASK, else torch's
+      "torch_threads": 4,                               optional; default SLURM_CPUS_PER_TASK, else torch's
+      "collective_timeout_s": 300,                      optional: a collective (or the rendezvous) waiting
+                                                        longer for a dead or stuck rank fails the job
+      "allreduce_sample_every_steps": 25                optional: all-reduce share sampling period (steps)
     }
 
-Outputs under run_dir: progress.json, checkpoints/step_<n>/ (each with MANIFEST.json, written last),
-metrics.json, gpu_metrics.jsonl and export/ (model.pt, signature.json, smoke.json).
+Outputs under run_dir: progress.json, checkpoints/step_<n>/ (each with MANIFEST.json, written by rank 0 last,
+after every rank saved its shards), metrics.json (with the all-reduce share of a step and where each rank ran),
+gpu_metrics.rank<r>.jsonl (each rank's own GPUs) and export/ (model.pt, signature.json, smoke.json).
 
 Signals: SIGUSR2 finishes the step, checkpoints, and requeues the Slurm job (``scontrol requeue
 $SLURM_JOB_ID``); SIGTERM finishes the step, checkpoints and stops. A restart resumes from the newest complete
-checkpoint and ends at the same step as an uninterrupted run.
+checkpoint and ends at the same step as an uninterrupted run. A checkpoint resumes only with the number of ranks
+that wrote it; another number fails before the first step (exit 2) and says so.
 
-Exit codes (hybridtrain.errors.ExitCode): 0 finished, or requeued itself after SIGUSR2; 1 unexpected error;
-2 invalid run config, DeepSpeed config, presets or feature data (retrying does not help); 75 stopped by
-SIGUSR2 without SLURM_JOB_ID (checkpoint saved; run again to resume); 76 checkpoint saved but ``scontrol
-requeue`` failed; 143 stopped by SIGTERM (checkpoint saved).
+Exit codes (hybridtrain.errors.ExitCode): 0 finished, or requeued itself after SIGUSR2; 1 unexpected error,
+or a collective that failed (a rank dead or stuck past collective_timeout_s); 2 invalid run config, DeepSpeed
+config, presets or feature data, or a checkpoint of another run or world size (retrying does not help); 75
+stopped by SIGUSR2 without SLURM_JOB_ID (checkpoint saved; run again to resume); 76 checkpoint saved but
+``scontrol requeue`` failed; 143 stopped by SIGTERM (checkpoint saved).
 
 Environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT when a launcher sets them, else derived
-from SLURM_* inside an srun step, else one process on 127.0.0.1 with a free port. TORCH_EXTENSIONS_DIR
+from SLURM_* inside an srun step, else one process on 127.0.0.1 with a free port. One GPU per rank: cuda:0 when
+Slurm binds one GPU per task (CUDA_VISIBLE_DEVICES holds one id), cuda:LOCAL_RANK when a rank sees several.
+Log lines name rank and node (``rank1@gpu-node-02``, SLURMD_NODENAME else the short host name); ranks other
+than 0 log warnings and errors only. TORCH_EXTENSIONS_DIR
 defaults to run_dir/torch_extensions. HYBRIDTRAIN_ENABLE_SHM_COMM=1 lets DeepSpeed JIT-build its CPU
 shared-memory all-reduce (needs g++ and ninja).
 """

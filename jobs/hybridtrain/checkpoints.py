@@ -1,4 +1,4 @@
-"""Checkpoint manifests: written last, verified before any resume. Standard library only.
+"""Checkpoint manifests: written last, verified before any resume. Standard library only (and ``errors``).
 
 Layout under ``<run_dir>/checkpoints/``::
 
@@ -9,9 +9,14 @@ Layout under ``<run_dir>/checkpoints/``::
     step_80/ ...
     zero_to_fp32.py           DeepSpeed's recovery scripts (ZeRO stages), outside the step directories
 
+Every rank writes its own shards (``zero_pp_rank_<r>_...``); the job waits for all of them (a barrier) before
+rank 0 writes the manifest, and rank 0 requires every file any rank saw, so a shard that is late on a shared
+filesystem fails the save instead of being left out.
+
 A step directory is complete only when its ``MANIFEST.json`` exists and every file it lists is present with
 the recorded size and sha256. Anything else in ``checkpoints/`` (a ``step_80`` without a manifest, a truncated
-file, ``*.tmp`` leftovers, other names) is never selected for a resume.
+file, ``*.tmp`` leftovers, other names) is never selected for a resume. A checkpoint resumes only at the world
+size that wrote it (see :func:`resume_refusal`).
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from hybridtrain.errors import CheckpointError
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -35,6 +42,7 @@ __all__ = [
     "checkpoint_steps",
     "checkpoints_to_prune",
     "remove_checkpoint",
+    "resume_refusal",
     "select_resume_checkpoint",
     "sha256_file",
     "step_dir_name",
@@ -93,6 +101,7 @@ def build_manifest(
     epoch: int,
     metrics: Mapping[str, Any],
     extra: Mapping[str, Any] | None = None,
+    required: Iterable[str] = (),
 ) -> dict[str, Any]:
     """Describe every file under ``step_dir`` (relative path, size, sha256), sorted by path.
 
@@ -100,12 +109,24 @@ def build_manifest(
     :param epoch: full passes over the training rows completed at ``step``.
     :param metrics: the figures at this step (train loss, holdout AUC and log loss).
     :param extra: more top-level keys (the training plan, versions); they may not replace the ones above.
+    :param required: relative paths that must be listed: the files every rank saw after its own save. Looked
+        up by name, so a shard another node wrote is listed even while this node's directory listing (an NFS
+        attribute cache) does not show it yet.
+    :raises CheckpointError: a required file does not exist here.
     """
+    names = {path.relative_to(step_dir).as_posix() for path in step_dir.rglob("*") if path.is_file()}
+    required = {name for name in required if name != MANIFEST_NAME and not name.endswith(".tmp")}
+    missing = sorted(name for name in required - names if not (step_dir / name).is_file())
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {step_dir}: {', '.join(missing)} written by another rank is not visible to rank 0; "
+            "checkpoints/ must be on a filesystem every node shares (run_dir on shared storage)"
+        )
     files = []
-    for path in sorted(p for p in step_dir.rglob("*") if p.is_file()):
-        relative = path.relative_to(step_dir).as_posix()
+    for relative in sorted(names | required):
         if relative == MANIFEST_NAME or relative.endswith(".tmp"):
             continue
+        path = step_dir / relative
         files.append({"path": relative, "size": path.stat().st_size, "sha256": sha256_file(path)})
     manifest = dict(extra or {})
     manifest.update(
@@ -202,6 +223,61 @@ def select_resume_checkpoint(checkpoints_dir: Path) -> tuple[CheckpointCheck | N
             return check, skipped
         skipped.append(check)
     return None, skipped
+
+
+def resume_refusal(
+    path: Path,
+    manifest: Mapping[str, Any],
+    resume_key: Mapping[str, Any],
+    *,
+    world_size: int,
+    checkpoints_dir: Path,
+) -> str | None:
+    """Why this run must not resume the verified checkpoint at ``path``; None when it may.
+
+    A different number of ranks is reported first, with its own remedy: ZeRO partitions the optimizer state
+    per rank and the batch order depends on the rank count, so DeepSpeed cannot load the shards at another
+    world size, and the generic "differs in plan" would not say what to change.
+
+    :param manifest: the checkpoint's verified ``MANIFEST.json``.
+    :param resume_key: what this run must share with the run that wrote the checkpoint.
+    :param world_size: this run's number of ranks.
+    """
+    stored = _with_key_defaults(manifest.get("resume_key"))
+    written_by = manifest.get("world_size")
+    if written_by is None and isinstance(stored, dict) and isinstance(stored.get("plan"), dict):
+        written_by = stored["plan"].get("world_size")
+    if isinstance(written_by, int) and written_by != world_size:
+        return (
+            f"checkpoint {path} was written by {_ranks(written_by)}; this run has {world_size}: resume with "
+            f"nodes x gpus = {_ranks(written_by)}, or start the run over (delete {checkpoints_dir}, or use a new "
+            "run_dir). ZeRO optimizer state is partitioned per rank and the batch order depends on the rank "
+            "count, so the checkpoint cannot be resumed at another world size"
+        )
+    if stored == resume_key:
+        return None
+    differing = sorted(
+        key
+        for key in {*resume_key, *(stored if isinstance(stored, dict) else {})}
+        if not isinstance(stored, dict) or stored.get(key) != resume_key.get(key)
+    )
+    return (
+        f"checkpoint {path} belongs to a different run (differs in {', '.join(differing)}): resuming it "
+        f"would not reproduce an uninterrupted run. Use a new run_dir, or delete {checkpoints_dir} to start "
+        "this run over"
+    )
+
+
+def _with_key_defaults(stored: Any) -> Any:
+    """A stored resume key with the fields later versions added, at the value older checkpoints implied: a
+    plan without ``accumulation`` took one micro-batch per step."""
+    if isinstance(stored, dict) and isinstance(stored.get("plan"), dict) and "accumulation" not in stored["plan"]:
+        return {**stored, "plan": {**stored["plan"], "accumulation": 1}}
+    return stored
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank" if count == 1 else f"{count} ranks"
 
 
 def checkpoints_to_prune(checkpoints_dir: Path, keep: int) -> list[Path]:

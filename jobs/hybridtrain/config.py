@@ -59,6 +59,9 @@ _KNOWN_KEYS = frozenset(
         "progress_every_s",
         "gpu_sample_every_s",
         "torch_threads",
+        "collective_timeout_s",
+        "allreduce_sample_every_steps",
+        "gradient_accumulation_steps",
     }
 )
 
@@ -96,6 +99,9 @@ class RunConfig:
     progress_every_s: float = 5.0
     gpu_sample_every_s: float = 5.0
     torch_threads: int | None = None
+    collective_timeout_s: float = 300.0
+    allreduce_sample_every_steps: int = 25
+    gradient_accumulation_steps: int = 1
     run_id: str | None = None
     labels: dict[str, Any] = field(default_factory=dict)
 
@@ -115,10 +121,18 @@ def dates_in_range(start: str, end: str) -> tuple[str, ...]:
 
 
 def deepspeed_settings_for_run(
-    settings: Mapping[str, Any], *, batch_size: int, world_size: int, learning_rate: float, zero_stage: int
+    settings: Mapping[str, Any],
+    *,
+    batch_size: int,
+    world_size: int,
+    learning_rate: float,
+    zero_stage: int,
+    gradient_accumulation_steps: int = 1,
 ) -> tuple[dict[str, Any], list[str]]:
-    """The DeepSpeed config for this run: the file's settings with the run config's batch size, learning rate
-    and ZeRO stage, and one micro-batch per step (the step count stays that of the training plan).
+    """The DeepSpeed config for this run: the file's settings with the run config's batch size, accumulation,
+    learning rate and ZeRO stage. ``batch_size`` is the micro-batch of one rank; DeepSpeed steps the optimizer
+    every ``gradient_accumulation_steps`` micro-batches, so its global batch is micro-batch x accumulation x
+    ranks, the rows one step of the training plan takes (the step count stays that of the plan).
 
     :return: the config, and one note per value of the file that the run config replaced.
     """
@@ -131,8 +145,10 @@ def deepspeed_settings_for_run(
         container[key] = value
 
     assign(result, "train_micro_batch_size_per_gpu", batch_size, "train_micro_batch_size_per_gpu")
-    assign(result, "gradient_accumulation_steps", 1, "gradient_accumulation_steps")
-    assign(result, "train_batch_size", batch_size * world_size, "train_batch_size")
+    assign(result, "gradient_accumulation_steps", gradient_accumulation_steps, "gradient_accumulation_steps")
+    assign(
+        result, "train_batch_size", batch_size * gradient_accumulation_steps * world_size, "train_batch_size"
+    )
     zero = result.setdefault("zero_optimization", {})
     assign(zero, "stage", zero_stage, "zero_optimization.stage")
     if isinstance(result.get("optimizer"), dict):
@@ -234,6 +250,13 @@ def parse_run_config(data: Mapping[str, Any], *, config_path: Path, default_pres
     progress_every_s = check.positive_number(data, "progress_every_s", default=5.0)
     gpu_sample_every_s = check.positive_number(data, "gpu_sample_every_s", default=5.0)
     torch_threads = check.integer(data, "torch_threads", minimum=1, required=False)
+    collective_timeout_s = check.positive_number(data, "collective_timeout_s", default=300.0)
+    allreduce_sample_every_steps = check.integer(
+        data, "allreduce_sample_every_steps", minimum=1, required=False, default=25
+    )
+    gradient_accumulation_steps = check.integer(
+        data, "gradient_accumulation_steps", minimum=1, required=False, default=1
+    )
     run_id = data.get("run_id")
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         problems.append(f"run_id: must be a non-empty string when given, got {run_id!r}")
@@ -264,6 +287,9 @@ def parse_run_config(data: Mapping[str, Any], *, config_path: Path, default_pres
         progress_every_s=progress_every_s,
         gpu_sample_every_s=gpu_sample_every_s,
         torch_threads=torch_threads,
+        collective_timeout_s=collective_timeout_s,
+        allreduce_sample_every_steps=allreduce_sample_every_steps,
+        gradient_accumulation_steps=gradient_accumulation_steps,
         run_id=run_id,
         labels=labels,
     )

@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from hybridtrain.launch import cuda_device_index
 from torch import nn
 
 __all__ = [
     "SHM_COMM_OPT_IN",
     "broadcast_from_rank0",
     "full_state_dict",
+    "gather_objects",
     "init_engine",
     "input_dtype",
     "max_across_ranks",
+    "max_figures_across_ranks",
     "mean_across_ranks",
+    "synchronize",
+    "time_all_reduce",
     "torch_linear",
 ]
 
@@ -34,26 +43,66 @@ SHM_COMM_OPT_IN = "HYBRIDTRAIN_ENABLE_SHM_COMM"
 
 
 def init_engine(
-    network: nn.Module, ds_config: dict[str, Any], local_rank: int
+    network: nn.Module, ds_config: dict[str, Any], local_rank: int, *, timeout_s: float = 300.0
 ) -> tuple[deepspeed.DeepSpeedEngine, torch.device]:
     """Start torch.distributed (NCCL on CUDA, gloo on CPU) and wrap ``network`` in a DeepSpeed engine.
 
     Expects RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in the environment.
+
+    :param local_rank: this process's rank on its node; the GPU is :func:`cuda_device_index` of it. DeepSpeed
+        0.19.8 would take ``cuda:LOCAL_RANK`` in two places (the NCCL group's ``device_id`` in
+        ``comm/torch.py`` and ``set_device`` in the engine), which does not exist on local rank 1 when Slurm
+        binds one GPU per task; so torch.distributed is started here, and the engine gets the index as
+        ``args.device_rank``.
+    :param timeout_s: how long the rendezvous and any collective may wait for the other ranks before this
+        process fails (``collective_timeout_s``): a dead or stuck peer ends the job instead of hanging it
+        until Slurm's time limit. It must exceed the longest pause of one rank alone (rank 0 verifying a
+        checkpoint at resume, hashing one for its manifest).
     """
     if os.environ.get(SHM_COMM_OPT_IN) != "1":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    args = None
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        index = cuda_device_index(local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        device, backend = torch.device("cuda", index), "nccl"
+        args = SimpleNamespace(device_rank=index)
     else:
         device, backend = torch.device("cpu"), "gloo"
     # DeepSpeed 0.19 calls torch.distributed collectives that torch 2.13 deprecates, once per ZeRO step.
     warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
-    deepspeed.init_distributed(dist_backend=backend)
+    timeout = timedelta(seconds=timeout_s)
+    _groups_default_to(timeout)
+    if not dist.is_initialized():
+        # Bound to this rank's GPU when there are peers (as DeepSpeed does; a single rank has none to reach).
+        bind = {"device_id": device} if device.type == "cuda" and int(os.environ["WORLD_SIZE"]) > 1 else {}
+        dist.init_process_group(backend, timeout=timeout, **bind)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     engine, _, _, _ = deepspeed.initialize(
-        model=network, model_parameters=network.parameters(), config=ds_config
+        args=args, model=network, model_parameters=network.parameters(), config=ds_config
     )
     return engine, device
+
+
+def _groups_default_to(timeout: timedelta) -> None:
+    """Make process groups created without a timeout use ``timeout`` instead of torch's backend default.
+
+    ``init_distributed(timeout=...)`` sets only the default group's timeout. DeepSpeed 0.19.8 runs its gradient
+    reductions on a clone of the world group (``utils/groups.py: _clone_world_group`` calls ``new_group``
+    without a timeout), which torch gives its backend default (30 min for gloo, 10 min for NCCL): measured here,
+    a frozen peer then held the other rank in ZeRO's gradient-norm all-reduce for over a minute with a 4 s
+    ``collective_timeout_s``. DeepSpeed calls ``torch.distributed.new_group`` by attribute, so wrapping it
+    before ``deepspeed.initialize`` covers its groups.
+    """
+    original = getattr(dist.new_group, "__wrapped__", dist.new_group)
+
+    @functools.wraps(original)
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        if len(args) < 2 and kwargs.get("timeout") is None:
+            kwargs["timeout"] = timeout
+        return original(*args, **kwargs)
+
+    dist.new_group = new_group
 
 
 def input_dtype(ds_config: dict[str, Any]) -> torch.dtype:
@@ -101,6 +150,43 @@ def max_across_ranks(value: int, device: torch.device) -> int:
     tensor = torch.tensor([value], device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a clock read after it means done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_all_reduce(buffer: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one ``dist.all_reduce`` of ``buffer`` on the default process group, every rank together.
+
+    A barrier first lines the ranks up, so the time is the all-reduce's and not the wait for a late rank.
+    """
+    dist.barrier()
+    synchronize(device)
+    started = time.perf_counter()
+    dist.all_reduce(buffer)
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def max_figures_across_ranks(figures: list[float], device: torch.device) -> list[float]:
+    """The element-wise largest of every rank's ``figures`` (same length everywhere), on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(figures)
+    tensor = torch.tensor(figures, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 @contextmanager

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from enum import IntEnum
 
 __all__ = [
+    "CheckpointError",
+    "CollectiveError",
     "ConfigError",
     "ExitCode",
     "FeatureDataError",
     "RequeueError",
     "ResumeError",
     "TrainingJobError",
+    "collective_failure",
 ]
+
+# What torch.distributed raises when a peer is gone or stuck: gloo's per-operation timeout and broken
+# connections, the rendezvous store's timeout, NCCL's watchdog (when it raises rather than aborts).
+_COLLECTIVE_FAILURE_RE = re.compile(
+    r"Timed out waiting|Connection (reset|closed) by peer|waiting for clients|DistBackendError|DistStoreError"
+    r"|Watchdog caught collective operation timeout|NCCL communicator was aborted",
+)
 
 
 class ExitCode(IntEnum):
@@ -59,6 +70,27 @@ class ResumeError(TrainingJobError):
     """The run directory holds checkpoints of a different training plan, so resuming would not be faithful."""
 
     exit_code = ExitCode.INVALID_INPUT
+
+
+class CheckpointError(TrainingJobError):
+    """A checkpoint could not be completed (a rank's shard is not visible where the manifest is written)."""
+
+
+class CollectiveError(TrainingJobError):
+    """A collective (or the rendezvous) failed: another rank is dead, stuck or unreachable."""
+
+
+def collective_failure(text: str, timeout_s: float) -> CollectiveError | None:
+    """The job's error for a torch.distributed failure described by ``text`` (``"<type>: <message>"``), or None
+    when ``text`` is not one: the first line only, since gloo's messages run on with advice."""
+    if not _COLLECTIVE_FAILURE_RE.search(text):
+        return None
+    first_line = text.strip().splitlines()[0] if text.strip() else text
+    return CollectiveError(
+        f"a collective operation failed (collective_timeout_s={timeout_s:g}): another rank is dead, stuck or "
+        f"unreachable; the other ranks' log lines (rank<r>@<node>) and the Slurm job's state name it. "
+        f"{first_line}"
+    )
 
 
 class RequeueError(TrainingJobError):

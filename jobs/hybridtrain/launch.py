@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["distributed_environment", "first_node", "free_port", "restart_count"]
+__all__ = [
+    "cuda_device_index",
+    "describe_ranks",
+    "distributed_environment",
+    "first_node",
+    "free_port",
+    "log_format",
+    "node_name",
+    "restart_count",
+]
 
 _BRACKET_RE = re.compile(r"\[([^\]]*)\]")
 _SLURM_PORT_BASE = 20000
@@ -78,3 +87,37 @@ def restart_count(environ: Mapping[str, str], previous: int | None) -> int:
     if value.isdigit():
         return int(value)
     return 0 if previous is None else previous + 1
+
+
+def cuda_device_index(local_rank: int, device_count: int) -> int:
+    """The CUDA device index this rank uses.
+
+    Slurm binds one GPU per task (``--gpus-per-task=1``, ``--gpu-bind``), so CUDA_VISIBLE_DEVICES lists one id
+    and that GPU is ``cuda:0`` whatever LOCAL_RANK is: ``cuda:<local_rank>`` would not exist on rank 1 of a
+    node. A launcher that shows every GPU of the node to every rank (torchrun, a task holding all GPUs) leaves
+    several visible, and then local rank ``l`` takes ``cuda:l``.
+
+    :param device_count: ``torch.cuda.device_count()``, the GPUs this process can see.
+    """
+    return local_rank if device_count > 1 and device_count > local_rank else 0
+
+
+def node_name(environ: Mapping[str, str], hostname: str) -> str:
+    """The node's name as Slurm knows it (SLURMD_NODENAME), else the short host name."""
+    return environ.get("SLURMD_NODENAME") or hostname.split(".")[0] or hostname
+
+
+def log_format(rank: str | int, node: str) -> str:
+    """The job's log line format: ``<time> rank1@gpu-node-02 ERROR hybridtrain: ...``, so one merged stream
+    of every rank's stderr (srun's) still says which process on which node wrote each line."""
+    return f"%(asctime)s rank{rank}@{node} %(levelname)s %(name)s: %(message)s"
+
+
+def describe_ranks(ranks: Iterable[Mapping[str, object]]) -> tuple[int, str]:
+    """The number of distinct nodes and a one-line placement, ``"0@gpu-node-01, 1@gpu-node-02"``.
+
+    :param ranks: one ``{"rank", "node", "local_rank"}`` per process (what ``all_gather_object`` returned).
+    """
+    ordered = sorted(ranks, key=lambda entry: int(entry["rank"]))
+    nodes = {str(entry["node"]) for entry in ordered}
+    return len(nodes), ", ".join(f"{entry['rank']}@{entry['node']}" for entry in ordered)

@@ -1,9 +1,15 @@
 """The training job from start to finish: data, DeepSpeed, resume, the loop, checkpoints, evaluation, export.
 
 Files under ``run_dir``: ``progress.json`` (see ``progress``), ``checkpoints/step_<n>/`` (see
-``checkpoints``), ``metrics.json`` (written once training finished), ``gpu_metrics.jsonl`` (see ``gpu``),
-``export/`` (see ``export``) and ``torch_extensions/`` (TORCH_EXTENSIONS_DIR, unless set: DeepSpeed builds
-nothing there unless a config asks for a JIT op). Only rank 0 writes files other than checkpoint shards.
+``checkpoints``), ``metrics.json`` (written once training finished), ``gpu_metrics.rank<r>.jsonl`` (see
+``gpu``), ``export/`` (see ``export``) and ``torch_extensions/`` (TORCH_EXTENSIONS_DIR, unless set: DeepSpeed
+builds nothing there unless a config asks for a JIT op). Every rank writes its checkpoint shards and its own
+GPU samples; only rank 0 writes the other files.
+
+One optimizer step is ``gradient_accumulation_steps`` micro-batches of ``batch_size`` rows on every rank: the
+loop calls ``engine.backward`` and ``engine.step`` per micro-batch, and DeepSpeed (0.19.8,
+``runtime/engine.py``) divides each loss by the accumulation count in ``backward`` (``scale_wrt_gas``) and
+steps the optimizer only at the accumulation boundary (``(micro_steps + 1) % gradient_accumulation_steps``).
 """
 
 from __future__ import annotations
@@ -23,22 +29,37 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hybridtrain.allreduce import is_sample_step, summarise_allreduce
 from hybridtrain.checkpoints import (
     MANIFEST_NAME,
     build_manifest,
     checkpoints_to_prune,
     remove_checkpoint,
+    resume_refusal,
     select_resume_checkpoint,
     step_dir_name,
     write_json_atomic,
     write_manifest,
 )
 from hybridtrain.config import RunConfig, deepspeed_settings_for_run, load_run_config
-from hybridtrain.errors import ExitCode, FeatureDataError, ResumeError, TrainingJobError
+from hybridtrain.errors import ExitCode, FeatureDataError, ResumeError, TrainingJobError, collective_failure
 from hybridtrain.evaluation import log_loss, roc_auc
 from hybridtrain.features import HOLDOUT_RULE, holdout_mask, read_feature_partitions, standardization
-from hybridtrain.gpu import GpuSampler, read_gpu_metrics, summarise_gpu_metrics
-from hybridtrain.launch import distributed_environment, free_port, restart_count
+from hybridtrain.gpu import (
+    GpuSampler,
+    bound_gpu_ids,
+    gpu_metrics_file,
+    read_run_gpu_metrics,
+    summarise_gpu_metrics,
+)
+from hybridtrain.launch import (
+    describe_ranks,
+    distributed_environment,
+    free_port,
+    log_format,
+    node_name,
+    restart_count,
+)
 from hybridtrain.plan import TrainingPlan, make_plan
 from hybridtrain.preemption import StopRequest, requeue_job
 from hybridtrain.progress import ProgressReporter, read_progress
@@ -49,7 +70,6 @@ log = logging.getLogger("hybridtrain")
 
 PROGRESS_FILE = "progress.json"
 METRICS_FILE = "metrics.json"
-GPU_METRICS_FILE = "gpu_metrics.jsonl"
 _EVAL_CHUNK_ROWS = 65_536
 # The engine computes in bf16/fp16 when the DeepSpeed config says so; the export always in float32.
 _EXPORT_TOLERANCE = {True: 1e-5, False: 2e-2}
@@ -133,10 +153,11 @@ class TrainingJob:
             seed=config.seed,
             epochs=config.epochs,
             max_steps=config.max_steps,
+            accumulation=config.gradient_accumulation_steps,
         )
         log.info(
             "data: %d training rows, %d holdout rows, %d features from %d partitions; plan: %d steps (%d per "
-            "epoch, %d rows per step)",
+            "epoch, %d rows per step = micro-batch %d x %d accumulation steps x %d ranks)",
             len(data.train_y),
             len(data.holdout_y),
             len(data.feature_columns),
@@ -144,6 +165,9 @@ class TrainingJob:
             plan.total_steps,
             plan.steps_per_epoch,
             plan.rows_per_step,
+            plan.batch_size,
+            plan.accumulation,
+            plan.world_size,
         )
         previous = read_progress(config.run_dir / PROGRESS_FILE) if self.rank == 0 else None
         restarts = restart_count(os.environ, None if previous is None else previous.get("restarts"))
@@ -168,10 +192,17 @@ class TrainingJob:
             world_size=world_size,
             learning_rate=config.learning_rate,
             zero_stage=config.zero_stage,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
         )
         for note in notes:
             log.info("DeepSpeed config: %s", note)
-        return _Trainer(self, data, plan, ds_config, restarts).train()
+        try:
+            return _Trainer(self, data, plan, ds_config, restarts).train()
+        except RuntimeError as error:
+            failure = collective_failure(f"{type(error).__name__}: {error}", config.collective_timeout_s)
+            if failure is None:
+                raise
+            raise failure from error
 
     def report_failure(self, error: BaseException) -> None:
         """Leave the failure in progress.json for the orchestrator (rank 0, once the run dir exists)."""
@@ -226,8 +257,18 @@ class _Trainer:
         torch.manual_seed(self.config.seed)
         network = build_network(len(data.feature_columns), self.config.model)
         self.n_parameters = count_parameters(network)
-        self.engine, self.device = ds_engine.init_engine(network, ds_config, int(os.environ["LOCAL_RANK"]))
+        # Counted before DeepSpeed wraps the network: ZeRO-3 leaves each rank only its partition.
+        self.n_trainable = sum(p.numel() for p in network.parameters() if p.requires_grad)
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.engine, self.device = ds_engine.init_engine(
+            network, ds_config, self.local_rank, timeout_s=self.config.collective_timeout_s
+        )
         self.dtype = ds_engine.input_dtype(ds_config)
+        self.ranks = ds_engine.gather_objects(
+            {"rank": self.rank, "node": node_name(os.environ, platform.node()), "local_rank": self.local_rank}
+        )
+        self.nodes, placement = describe_ranks(self.ranks)
+        log.info("ranks: %s", placement)
         # The whole training split lives on the device (tabular rows are small next to GPU memory), so a step
         # gathers its batch there instead of copying it from the host.
         self.train_x = torch.from_numpy(data.train_x).to(self.device, dtype=self.dtype)
@@ -247,16 +288,23 @@ class _Trainer:
         self.loop_started = time.monotonic()
         self.last_loss: float | None = None
         self.evaluation: dict[str, Any] | None = None
+        # [step, step_ms, comm_ms] of the measured steps (see hybridtrain.allreduce), kept across resumes.
+        self.allreduce_samples: list[list[float | None]] = []
+        self._comm_buffer: Any = None
 
     # --- main loop ------------------------------------------------------------------------------------------
 
     def train(self) -> ExitCode:
         torch = self.torch
         self._resume()
-        sampler = None
-        if int(os.environ["LOCAL_RANK"]) == 0:
-            sampler = GpuSampler(self.config.run_dir / GPU_METRICS_FILE, self.config.gpu_sample_every_s)
-            sampler.start()
+        # Every rank samples the GPU(s) Slurm bound to it, into its own file (see hybridtrain.gpu).
+        sampler = GpuSampler(
+            gpu_metrics_file(self.config.run_dir, self.rank),
+            self.config.gpu_sample_every_s,
+            rank=self.rank,
+            gpu_ids=bound_gpu_ids(os.environ),
+        )
+        sampler.start()
         try:
             self.loop_started = time.monotonic()
             self.reporter.restart_rate(self.step)
@@ -268,17 +316,19 @@ class _Trainer:
                 stop_code = self.ds.max_across_ranks(self.job.stop.code, self.device)
                 if stop_code:
                     return self._stop(stop_code)
-                rows = torch.from_numpy(self.plan.batch_rows(self.step, self.rank).copy()).to(self.device)
-                inputs = self.train_x.index_select(0, rows)
-                labels = self.train_y.index_select(0, rows)
-                torch.manual_seed(_step_seed(self.config.seed, self.step))
-                logits = self.engine(inputs).squeeze(1).float()
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
-                self.engine.backward(loss)
-                self.engine.step()
+                measure = is_sample_step(self.step, self.config.allreduce_sample_every_steps)
+                if measure:
+                    self.ds.synchronize(self.device)
+                    started = time.perf_counter()
+                # DeepSpeed divides each micro-batch's loss by the accumulation count and steps the optimizer
+                # only after the last micro-batch (its accumulation boundary).
+                for micro in range(self.plan.accumulation):
+                    loss_sum += self._micro_step(micro)
+                    losses += 1
+                if measure:
+                    self.ds.synchronize(self.device)
+                    self._measure_allreduce(time.perf_counter() - started)
                 self.step += 1
-                loss_sum += loss.detach()
-                losses += 1
                 if self.step % self.config.log_every_steps == 0 or self.step == self.plan.total_steps:
                     self._record_loss(self.ds.mean_across_ranks(loss_sum / losses))
                     loss_sum.zero_()
@@ -289,8 +339,37 @@ class _Trainer:
                     self._log_progress()
             return self._finish()
         finally:
-            if sampler is not None:
-                sampler.stop()
+            sampler.stop()
+
+    def _micro_step(self, micro: int) -> Any:
+        """Forward and backward of micro-batch ``micro`` of the current step, and ``engine.step``; the loss."""
+        torch = self.torch
+        rows = self.plan.batch_rows(self.step, self.rank, micro)
+        rows = torch.from_numpy(rows.copy()).to(self.device)
+        inputs = self.train_x.index_select(0, rows)
+        labels = self.train_y.index_select(0, rows)
+        torch.manual_seed(_step_seed(self.config.seed, self.step, micro))
+        logits = self.engine(inputs).squeeze(1).float()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def _measure_allreduce(self, step_s: float) -> None:
+        """Time one all-reduce of the gradient volume and keep the slowest rank's figures for this step.
+
+        Every rank calls it at the same steps (:func:`is_sample_step`), so the collectives match.
+        """
+        world_size = self.plan.world_size
+        comm_s = None
+        if world_size > 1:
+            if self._comm_buffer is None:
+                self._comm_buffer = self.torch.zeros(self.n_trainable, dtype=self.torch.float32, device=self.device)
+            comm_s = self.ds.time_all_reduce(self._comm_buffer, self.device)
+            step_s, comm_s = self.ds.max_figures_across_ranks([step_s, comm_s], self.device)
+        self.allreduce_samples.append(
+            [self.step + 1, round(step_s * 1e3, 3), None if comm_s is None else round(comm_s * 1e3, 3)]
+        )
 
     # --- resume ---------------------------------------------------------------------------------------------
 
@@ -302,11 +381,14 @@ class _Trainer:
             for check in skipped:
                 log.warning("skipping checkpoint %s: %s", check.path, check.reason)
             if selected is not None:
-                stored = selected.manifest.get("resume_key")
-                if stored != self.resume_key:
-                    choice = (None, self._mismatch(selected.path, stored))
-                else:
-                    choice = (selected.step, None)
+                problem = resume_refusal(
+                    selected.path,
+                    selected.manifest,
+                    self.resume_key,
+                    world_size=self.plan.world_size,
+                    checkpoints_dir=checkpoints_dir,
+                )
+                choice = (None, problem) if problem else (selected.step, None)
         step, problem = self.ds.broadcast_from_rank0(choice)
         if problem:
             raise ResumeError(problem)
@@ -327,6 +409,7 @@ class _Trainer:
         self.step = self.resumed_from = self.last_checkpoint = step
         self.loss_curve = state["loss_curve"]
         self.train_wall_prior_s = state["train_wall_s"]
+        self.allreduce_samples = state.get("allreduce_samples", [])
         self.last_loss = self.loss_curve[-1][1] if self.loss_curve else None
         epoch, batch = divmod(step, self.plan.steps_per_epoch)
         log.info(
@@ -335,18 +418,6 @@ class _Trainer:
             step,
             epoch,
             batch,
-        )
-
-    def _mismatch(self, path: Path, stored: Any) -> str:
-        differing = sorted(
-            key
-            for key in self.resume_key
-            if not isinstance(stored, dict) or stored.get(key) != self.resume_key[key]
-        )
-        return (
-            f"checkpoint {path} belongs to a different run (differs in {', '.join(differing)}): resuming it "
-            f"would not reproduce an uninterrupted run. Use a new run_dir, or delete "
-            f"{self.config.checkpoints_dir} to start this run over"
         )
 
     # --- checkpoints, evaluation, progress ------------------------------------------------------------------
@@ -366,6 +437,7 @@ class _Trainer:
                 "step": self.step,
                 "loss_curve": self.loss_curve,
                 "train_wall_s": self._train_wall_s(),
+                "allreduce_samples": self.allreduce_samples,
             }
         }
         started = time.monotonic()
@@ -375,6 +447,11 @@ class _Trainer:
             client_state=client_state,
             save_latest=False,
         )
+        # Every rank's shards are written before rank 0 lists them for the manifest (DeepSpeed 0.19.8 ends
+        # save_checkpoint with a barrier too; this one does not depend on it). Rank 0 then requires each file
+        # any rank saw, so a shard its node does not show yet fails the save instead of being left out.
+        dist.barrier()
+        seen = self.ds.gather_objects(sorted(_files_under(step_dir)))
         if self.rank == 0:
             metrics = {"train_loss": self.last_loss}
             if evaluate and self.evaluation is not None:
@@ -394,6 +471,7 @@ class _Trainer:
                     "world_size": self.plan.world_size,
                     "deepspeed_version": self.deepspeed.__version__,
                 },
+                required={name for names in seen for name in names},
             )
             write_manifest(step_dir, manifest)
             size = sum(entry["size"] for entry in manifest["files"])
@@ -560,7 +638,7 @@ class _Trainer:
         config, plan, evaluation = self.config, self.plan, self.evaluation
         rows_processed = self.step * plan.rows_per_step
         train_wall_s = self._train_wall_s()
-        gpu = summarise_gpu_metrics(read_gpu_metrics(config.run_dir / GPU_METRICS_FILE))
+        gpu = summarise_gpu_metrics(read_run_gpu_metrics(config.run_dir))
         return {
             "status": "completed",
             "run_id": config.run_id,
@@ -599,14 +677,26 @@ class _Trainer:
                 "version": self.deepspeed.__version__,
                 "zero_stage": config.zero_stage,
                 "world_size": plan.world_size,
+                "nodes": self.nodes,
+                "ranks": self.ranks,
+                "collective_timeout_s": config.collective_timeout_s,
                 "config": str(config.deepspeed_config),
                 "device": self.device.type,
                 "dtype": str(self.dtype).removeprefix("torch."),
             },
+            "allreduce": summarise_allreduce(
+                self.allreduce_samples,
+                every_steps=config.allreduce_sample_every_steps,
+                world_size=plan.world_size,
+                elements=self.n_trainable,
+            ),
             "torch_version": self.torch.__version__,
             "python_version": platform.python_version(),
             "hyperparameters": {
                 "batch_size": config.batch_size,
+                "micro_batch": plan.batch_size,
+                "accumulation": plan.accumulation,
+                "global_batch": plan.rows_per_step,
                 "learning_rate": config.learning_rate,
                 "epochs": config.epochs,
                 "max_steps": config.max_steps,
@@ -633,9 +723,16 @@ def _slurm_cpus(environ: Mapping[str, str]) -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def _step_seed(seed: int, step: int) -> int:
-    """The torch seed of one step (dropout), so a resumed step draws what the uninterrupted one would."""
-    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+def _step_seed(seed: int, step: int, micro: int = 0) -> int:
+    """The torch seed of one micro-batch (dropout), so a resumed step draws what the uninterrupted one would.
+    The first micro-batch keeps the seed of the whole step before accumulation existed."""
+    entropy = [seed, step] if micro == 0 else [seed, step, micro]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
+
+
+def _files_under(directory: Path) -> list[str]:
+    """The files under ``directory`` as this process sees them, relative, in POSIX form."""
+    return [path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file()]
 
 
 def main(
@@ -656,7 +753,7 @@ def main(
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+        format=log_format(rank, node_name(os.environ, platform.node())),
         stream=sys.stderr,
         force=True,
     )

@@ -1,14 +1,16 @@
-"""jobs/train.py end to end: real DeepSpeed (one process, gloo on CPU), the tiny preset, synthetic partitions.
+"""jobs/train.py end to end: real DeepSpeed (gloo on CPU, one process or two under torchrun), the tiny preset,
+synthetic partitions.
 
-Each test starts the job as the Slurm batch script does (``python jobs/train.py --config ...``) and reads what
-it leaves in its run directory. Partitions are written here in the features job's contract, with a planted
-signal so the holdout AUC is clearly above 0.5.
+Each test starts the job as the Slurm batch script does (``python jobs/train.py --config ...``), or as torchrun
+starts ranks, and reads what it leaves in its run directory. Partitions are written here in the features job's
+contract, with a planted signal so the holdout AUC is clearly above 0.5.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import signal
 import stat
@@ -36,6 +38,7 @@ BATCH = 32
 EPOCHS = 4
 CHECKPOINT_EVERY = 25
 RUN_TIMEOUT_S = 120
+NODE = platform.node().split(".")[0]
 
 
 def write_features(root: Path, ds: str, day: int) -> None:
@@ -186,9 +189,27 @@ def test_training_job_writes_metrics_checkpoints_progress_and_export(baseline):
         "version": metrics["deepspeed"]["version"],
         "zero_stage": 1,
         "world_size": 1,
+        "nodes": 1,
+        "ranks": [{"rank": 0, "node": NODE, "local_rank": 0}],
+        "collective_timeout_s": 300.0,
         "config": None,
         "device": "cpu",
         "dtype": "float32",
+    }
+    assert f"rank0@{NODE} INFO hybridtrain: ranks: 0@{NODE}" in baseline.output
+    allreduce = metrics["allreduce"]
+    assert (allreduce["share"], allreduce["comm_ms_median"], allreduce["world_size"]) == (None, None, 1)
+    assert allreduce["reason"] == "one rank: no gradient all-reduce"
+    assert allreduce["samples"] == total // 25 and allreduce["step_ms_median"] > 0
+    assert metrics["hyperparameters"] | {"learning_rate": None, "seed": None} == {
+        "batch_size": BATCH,
+        "micro_batch": BATCH,
+        "accumulation": 1,
+        "global_batch": BATCH,
+        "epochs": EPOCHS,
+        "max_steps": None,
+        "learning_rate": None,
+        "seed": None,
     }
     assert metrics["data"]["feature_columns"] == FEATURES
     assert metrics["data"]["rows_per_partition"] == dict.fromkeys(DAYS, CUSTOMERS)
@@ -225,9 +246,11 @@ def test_training_job_writes_metrics_checkpoints_progress_and_export(baseline):
 def test_training_job_reports_absent_gpus_without_inventing_numbers(baseline):
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has nvidia-smi")
-    records = [json.loads(line) for line in (baseline.run_dir / "gpu_metrics.jsonl").read_text().splitlines()]
+    samples = baseline.run_dir / "gpu_metrics.rank0.jsonl"
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
     assert len(records) == 1
     assert records[0]["gpu_available"] is False and records[0]["reason"] == "nvidia-smi not found"
+    assert records[0]["rank"] == 0
     metrics = metrics_of(baseline.run_dir)
     assert metrics["mean_gpu_utilization_pct"] is None
     assert metrics["gpu"]["gpu_available"] is False and metrics["gpu"]["samples"] == 0
@@ -416,8 +439,8 @@ def test_training_job_two_processes_shard_zero2_and_stop_together(features_root,
     progress = job.progress()
     assert progress["state"] == "stopped"
     step = progress["step"]
-    assert f"rank0 WARNING hybridtrain: SIGUSR2 received: stopping at step {step}" in job.output
-    assert f"rank1 WARNING hybridtrain: SIGUSR2 received: stopping at step {step}" in job.output
+    assert f"rank0@{NODE} WARNING hybridtrain: SIGUSR2 received: stopping at step {step}" in job.output
+    assert f"rank1@{NODE} WARNING hybridtrain: SIGUSR2 received: stopping at step {step}" in job.output
     check = verify_checkpoint(job.run_dir / "checkpoints" / f"step_{progress['last_checkpoint_step']}")
     assert check.ok, check.reason
     files = {entry["path"] for entry in check.manifest["files"]}
@@ -445,7 +468,7 @@ def _worker_with_rank(launcher_pid: int, rank: str) -> int:
     [
         ({"batch_size": 0, "zero_stage": 7}, "batch_size: must be an integer >= 1"),
         ({"ds_range": {"start": "2025-12-31", "end": "2026-01-01"}}, "ds=2025-12-31 does not exist"),
-        ({"batch_size": 100_000}, "batch_size: 100000 x 1 processes needs more rows"),
+        ({"batch_size": 100_000}, "batch_size: 100000 x 1 accumulation steps x 1 processes needs more rows"),
     ],
     ids=["invalid-config", "missing-partition", "batch-larger-than-data"],
 )
@@ -463,3 +486,156 @@ def test_training_job_changed_data_refuses_to_resume(baseline, features_root, tm
     assert job.wait() == 2
     assert "belongs to a different run (differs in data_sha256, plan)" in job.output
     assert job.progress()["state"] == "failed"
+
+
+# --- several ranks: the all-reduce share, rank placement, batch splits, world-size changes, dead peers ----------
+
+SPLIT_MICRO_BATCH = 16
+SPLIT_STEPS = 40
+SPLIT_SAMPLE_EVERY = 5
+# Same global batch of 32 rows, split three ways; no dropout, so every split computes the same mean gradient
+# and only float summation order differs.
+SPLITS = {
+    "two_ranks": ({"batch_size": SPLIT_MICRO_BATCH}, 2),
+    "one_rank_double_batch": ({"batch_size": 2 * SPLIT_MICRO_BATCH}, 1),
+    "one_rank_accumulating": ({"batch_size": SPLIT_MICRO_BATCH, "gradient_accumulation_steps": 2}, 1),
+}
+# Measured: identical loss curves at metrics.json's 6 decimals, exports within 6e-8 (float32 summation order).
+LOSS_TOLERANCE = 1e-5
+
+
+def torchrun(nproc: int) -> tuple[str, ...]:
+    return (sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}")
+
+
+def split_config(directory: Path, features_root: Path, **changes: object) -> Path:
+    split = {
+        "model": {"hidden_sizes": [16], "dropout": 0.0},
+        "epochs": None,
+        "max_steps": SPLIT_STEPS,
+        "checkpoint_every_steps": 20,
+        "allreduce_sample_every_steps": SPLIT_SAMPLE_EVERY,
+    }
+    return write_run_config(directory, features_root, **(split | changes))
+
+
+@pytest.fixture(scope="module")
+def split_runs(features_root, tmp_path_factory) -> dict[str, Job]:
+    """The same 40 steps with a global batch of 32: 2 ranks x 16, 1 rank x 32, 1 rank x 2 micro-batches of 16.
+    The two single-process runs share the machine's two cores after the torchrun one."""
+    jobs = {}
+    for name, (changes, ranks) in SPLITS.items():
+        config = split_config(tmp_path_factory.mktemp(name), features_root, **changes)
+        jobs[name] = Job(config, name, launcher=torchrun(ranks) if ranks > 1 else ())
+        if ranks > 1:
+            jobs[name].wait()
+    for name, job in jobs.items():
+        if job.process.returncode is None:
+            job.wait()
+        assert job.process.returncode == 0, f"{name} exit {job.process.returncode}:\n{job.output[-4000:]}"
+    return jobs
+
+
+def test_training_job_two_ranks_measure_the_allreduce_share_and_list_their_placement(split_runs):
+    job = split_runs["two_ranks"]
+    metrics = metrics_of(job.run_dir)
+    allreduce = metrics["allreduce"]
+    assert allreduce["world_size"] == 2 and "reason" not in allreduce
+    assert allreduce["samples"] == SPLIT_STEPS // SPLIT_SAMPLE_EVERY
+    assert [point[0] for point in allreduce["series"]] == list(range(5, SPLIT_STEPS + 1, 5))
+    assert allreduce["comm_ms_median"] > 0 and allreduce["step_ms_median"] > 0
+    assert allreduce["share"] == pytest.approx(allreduce["comm_ms_median"] / allreduce["step_ms_median"], abs=1e-3)
+    assert 0 < allreduce["share"] < 1
+    assert allreduce["elements"] == metrics["model"]["n_parameters"] == 6 * 16 + 16 + 16 + 1
+    assert "dist.all_reduce of a float32 buffer of 129 elements" in allreduce["method"]
+
+    assert (metrics["deepspeed"]["world_size"], metrics["deepspeed"]["nodes"]) == (2, 1)
+    assert metrics["deepspeed"]["ranks"] == [
+        {"rank": 0, "node": NODE, "local_rank": 0},
+        {"rank": 1, "node": NODE, "local_rank": 1},
+    ]
+    assert f"rank0@{NODE} INFO hybridtrain: ranks: 0@{NODE}, 1@{NODE}" in job.output
+    assert f"rank1@{NODE} INFO" not in job.output, "ranks other than 0 log warnings and errors only"
+    assert metrics["hyperparameters"]["global_batch"] == 2 * SPLIT_MICRO_BATCH
+
+    check = verify_checkpoint(job.run_dir / "checkpoints" / f"step_{SPLIT_STEPS}")
+    assert check.ok and check.manifest["world_size"] == 2
+    assert {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)} <= {
+        entry["path"] for entry in check.manifest["files"]
+    }
+    if not shutil.which("nvidia-smi"):
+        for rank in (0, 1):
+            (record,) = [json.loads(line) for line in (job.run_dir / f"gpu_metrics.rank{rank}.jsonl").open()]
+            assert (record["rank"], record["gpu_available"]) == (rank, False)
+        assert metrics["gpu"]["reason"] == "nvidia-smi not found"
+
+
+def test_training_job_same_global_batch_gives_the_same_loss_curve_however_it_is_split(split_runs):
+    """2 ranks x 16 rows, 1 rank x 32 rows and 1 rank x 2 accumulated micro-batches of 16 take the same rows per
+    step (the plan numbers slices micro-batch first, then rank) and the same mean gradient (DeepSpeed averages
+    over ranks and divides each micro-batch's loss by the accumulation count), so they train alike: loss curves,
+    holdout AUC and the exported model's outputs agree within LOSS_TOLERANCE."""
+    metrics = {name: metrics_of(job.run_dir) for name, job in split_runs.items()}
+    reference = metrics["two_ranks"]
+    steps = [point["step"] for point in reference["loss_curve"]]
+    assert steps == list(range(5, SPLIT_STEPS + 1, 5))
+    for name, other in metrics.items():
+        hyper = other["hyperparameters"]
+        assert (hyper["global_batch"], other["train_rows_processed"]) == (32, 32 * SPLIT_STEPS), name
+        assert [point["step"] for point in other["loss_curve"]] == steps, name
+        differences = [
+            abs(a["loss"] - b["loss"]) for a, b in zip(other["loss_curve"], reference["loss_curve"], strict=True)
+        ]
+        assert max(differences) <= LOSS_TOLERANCE, f"{name}: {differences}"
+        assert other["holdout"]["auc"] == pytest.approx(reference["holdout"]["auc"], abs=LOSS_TOLERANCE), name
+        outputs = [json.loads((split_runs[run].run_dir / "export" / "smoke.json").read_text())["outputs"] for run in
+                   (name, "two_ranks")]
+        np.testing.assert_allclose(outputs[0], outputs[1], rtol=0, atol=LOSS_TOLERANCE, err_msg=name)
+    assert metrics["one_rank_accumulating"]["hyperparameters"]["accumulation"] == 2
+    assert metrics["one_rank_double_batch"]["hyperparameters"]["micro_batch"] == 32
+
+
+def test_training_job_refuses_a_checkpoint_of_two_ranks_in_a_one_rank_run(split_runs, features_root, tmp_path):
+    written = split_runs["two_ranks"].run_dir / "checkpoints"
+    config = split_config(tmp_path, features_root, batch_size=SPLIT_MICRO_BATCH, max_steps=SPLIT_STEPS + 20)
+    shutil.copytree(written, tmp_path / "run" / "checkpoints")
+    job = Job(config)
+    assert job.wait() == 2, job.output[-4000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    message = (
+        f"checkpoint {checkpoints}/step_{SPLIT_STEPS} was written by 2 ranks; this run has 1: resume with nodes x "
+        f"gpus = 2 ranks, or start the run over (delete {checkpoints}, or use a new run_dir)"
+    )
+    assert message in job.output
+    assert "differs in" not in job.output
+    progress = job.progress()
+    assert (progress["state"], progress["step"]) == ("failed", 0), "failed before the first step"
+    assert message in progress["error"]
+    assert "step 1/" not in job.output and "Traceback" not in job.output
+    assert [step for step, _ in checkpoint_steps(checkpoints)] == [SPLIT_STEPS, 20], "nothing new written"
+
+
+def test_training_job_a_stuck_peer_ends_the_job_after_collective_timeout_s(features_root, tmp_path):
+    """SIGSTOP freezes rank 1 (alive, so torchrun does not notice): rank 0's next collective gives up after
+    collective_timeout_s instead of hanging until Slurm's time limit."""
+    timeout_s = 4
+    long_run = {"epochs": None, "max_steps": 100_000, "collective_timeout_s": timeout_s}  # killed long before
+    job = Job(write_run_config(tmp_path, features_root, **long_run), launcher=torchrun(2))
+    job.wait_for_progress(lambda p: p.get("state") == "training" and p.get("step", 0) >= 3, "training steps")
+    rank0, rank1 = (_worker_with_rank(job.process.pid, rank) for rank in ("0", "1"))
+    os.kill(rank1, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        while Path(f"/proc/{rank0}").exists() and time.monotonic() - stopped_at < 60:
+            time.sleep(0.1)
+        waited = time.monotonic() - stopped_at
+    finally:
+        os.kill(rank1, signal.SIGKILL)
+    job.wait()
+    assert timeout_s <= waited < timeout_s + 20, f"rank 0 ended {waited:.1f} s after its peer froze:\n{job.output}"
+    progress = job.progress()
+    assert progress["state"] == "failed"
+    message = f"a collective operation failed (collective_timeout_s={timeout_s}): another rank is dead, stuck"
+    assert f"rank0@{NODE} ERROR hybridtrain: {message}" in job.output
+    assert progress["error"].startswith(f"CollectiveError: {message}")
+    assert "Timed out waiting 4000ms" in progress["error"]

@@ -19,12 +19,14 @@ from hybridtrain.checkpoints import (  # noqa: E402
     checkpoint_steps,
     checkpoints_to_prune,
     remove_checkpoint,
+    resume_refusal,
     select_resume_checkpoint,
     sha256_file,
     verify_checkpoint,
     write_json_atomic,
     write_manifest,
 )
+from hybridtrain.errors import CheckpointError, ExitCode  # noqa: E402
 
 FILES = {
     "mp_rank_00_model_states.pt": b"model" * 100,
@@ -66,6 +68,31 @@ def test_training_manifest_lists_every_file_with_size_and_sha256(tmp_path):
     )
     assert manifest["metrics"] == {"holdout_auc": 0.8}
     assert manifest["run_id"] == "r"
+
+
+def test_training_manifest_requires_every_file_the_ranks_saw(tmp_path):
+    step_dir = make_checkpoint(tmp_path, 40, manifest=False)
+    manifest = build_manifest(
+        step_dir,
+        step=40,
+        epoch=4,
+        metrics={},
+        required={"zero_pp_rank_0_mp_rank_00_optim_states.pt", "gone.tmp", MANIFEST_NAME},
+    )
+    assert len(manifest["files"]) == 2, "temporary files and the manifest itself are never required"
+    with pytest.raises(CheckpointError) as raised:
+        build_manifest(
+            step_dir,
+            step=40,
+            epoch=4,
+            metrics={},
+            required={"zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"},
+        )
+    assert str(raised.value) == (
+        f"checkpoint {step_dir}: zero_pp_rank_1_mp_rank_00_optim_states.pt written by another rank is not "
+        "visible to rank 0; checkpoints/ must be on a filesystem every node shares (run_dir on shared storage)"
+    )
+    assert raised.value.exit_code == ExitCode.FAILED
 
 
 def test_training_manifest_is_written_atomically(tmp_path):
@@ -274,3 +301,92 @@ def test_training_remove_checkpoint_deletes_the_directory(tmp_path):
     remove_checkpoint(step_dir)
     assert not step_dir.exists()
     remove_checkpoint(step_dir)
+
+
+KEY = {
+    "plan": {"n_train_rows": 2400, "batch_size": 32, "world_size": 2, "seed": 11, "steps_per_epoch": 37},
+    "data_sha256": "abc",
+    "hidden_sizes": [16],
+    "dropout": 0.0,
+    "zero_stage": 1,
+}
+
+
+def _key(plan: dict | None = None, **changes) -> dict:
+    return {**KEY, "plan": {**KEY["plan"], "accumulation": 1, **(plan or {})}, **changes}
+
+
+@pytest.mark.parametrize(
+    ("manifest", "run_key", "world_size", "refusal"),
+    [
+        ({"world_size": 2, "resume_key": _key()}, _key(), 2, None),
+        (
+            {"world_size": 2, "resume_key": _key()},
+            _key({"world_size": 1}),
+            1,
+            "checkpoint CK/step_40 was written by 2 ranks; this run has 1: resume with nodes x gpus = 2 ranks, or "
+            "start the run over (delete CK, or use a new run_dir). ZeRO optimizer state is partitioned per rank "
+            "and the batch order depends on the rank count, so the checkpoint cannot be resumed at another world "
+            "size",
+        ),
+        (
+            {"world_size": 1, "resume_key": _key({"world_size": 1}, data_sha256="old")},
+            _key({"world_size": 4}),
+            4,
+            "checkpoint CK/step_40 was written by 1 rank; this run has 4: resume with nodes x gpus = 1 rank, or",
+        ),
+        (
+            {"resume_key": _key({"world_size": 8})},
+            _key(),
+            2,
+            "checkpoint CK/step_40 was written by 8 ranks; this run has 2",
+        ),
+        (
+            {"world_size": 2, "resume_key": _key(data_sha256="other")},
+            _key(),
+            2,
+            "checkpoint CK/step_40 belongs to a different run (differs in data_sha256): resuming it would not "
+            "reproduce an uninterrupted run. Use a new run_dir, or delete CK to start this run over",
+        ),
+        (
+            {"world_size": 2, "resume_key": _key({"accumulation": 2})},
+            _key(),
+            2,
+            "belongs to a different run (differs in plan)",
+        ),
+        ({"world_size": 2, "resume_key": {**KEY}}, _key(), 2, None),
+        (
+            {"world_size": 2, "resume_key": {**KEY}},
+            _key({"accumulation": 4}),
+            2,
+            "belongs to a different run (differs in plan)",
+        ),
+        ({"world_size": 2}, _key(), 2, "belongs to a different run (differs in data_sha256, dropout, hidden_sizes"),
+        (
+            {"world_size": 2, "resume_key": _key(extra="x")},
+            _key(),
+            2,
+            "belongs to a different run (differs in extra)",
+        ),
+    ],
+    ids=[
+        "same-run",
+        "two-ranks-to-one",
+        "world-size-named-before-other-differences",
+        "older-manifest-world-size-from-plan",
+        "changed-data",
+        "changed-accumulation",
+        "key-before-accumulation-existed-means-1",
+        "key-before-accumulation-existed-vs-4",
+        "no-resume-key",
+        "unknown-stored-field",
+    ],
+)
+def test_training_resume_refusal(manifest, run_key, world_size, refusal):
+    message = resume_refusal(
+        Path("CK/step_40"), manifest, run_key, world_size=world_size, checkpoints_dir=Path("CK")
+    )
+    if refusal is None:
+        assert message is None
+    else:
+        assert message is not None and refusal in message, message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "jobs"))
 
 from hybridtrain.config import (  # noqa: E402
+    _KNOWN_KEYS,
     DEFAULT_MODEL_PRESETS_PATH,
     ModelSpec,
     deepspeed_settings_for_run,
@@ -67,6 +69,9 @@ def test_training_config_accepts_the_documented_fields(tmp_path):
                 progress_every_s=2,
                 gpu_sample_every_s=1.5,
                 torch_threads=2,
+                collective_timeout_s=120,
+                allreduce_sample_every_steps=10,
+                gradient_accumulation_steps=4,
                 labels={"dag_id": "nightly"},
                 _comment="ignored",
             ),
@@ -76,6 +81,11 @@ def test_training_config_accepts_the_documented_fields(tmp_path):
     assert config.model == ModelSpec(hidden_sizes=(16,), dropout=0.0, preset="tiny")
     assert (config.epochs, config.max_steps, config.batch_size, config.learning_rate) == (2, 500, 64, 0.01)
     assert (config.keep_last_checkpoints, config.holdout_fraction, config.torch_threads) == (3, 0.25, 2)
+    assert (
+        config.collective_timeout_s,
+        config.allreduce_sample_every_steps,
+        config.gradient_accumulation_steps,
+    ) == (120.0, 10, 4)
     assert config.deepspeed_settings["optimizer"]["params"]["torch_adam"] is True
     assert config.checkpoints_dir == Path("/data/runs/r1/checkpoints")
     assert config.export_dir == Path("/data/runs/r1/export")
@@ -105,6 +115,11 @@ def test_training_config_defaults_and_relative_paths(tmp_path):
         None,
         None,
     )
+    assert (
+        config.collective_timeout_s,
+        config.allreduce_sample_every_steps,
+        config.gradient_accumulation_steps,
+    ) == (300.0, 25, 1)
 
 
 def test_training_config_null_optional_fields_take_defaults(tmp_path):
@@ -117,6 +132,9 @@ def test_training_config_null_optional_fields_take_defaults(tmp_path):
             "progress_every_s",
             "gpu_sample_every_s",
             "torch_threads",
+            "collective_timeout_s",
+            "allreduce_sample_every_steps",
+            "gradient_accumulation_steps",
             "model_presets_path",
             "labels",
             "run_id",
@@ -130,6 +148,8 @@ def test_training_config_null_optional_fields_take_defaults(tmp_path):
         {},
         None,
     )
+    assert (config.collective_timeout_s, config.allreduce_sample_every_steps) == (300.0, 25)
+    assert config.gradient_accumulation_steps == 1
     only_steps = load_run_config(write_config(tmp_path, valid_config(epochs=None, max_steps=9)))
     assert (only_steps.epochs, only_steps.max_steps) == (None, 9)
 
@@ -205,6 +225,13 @@ def test_training_config_model_from_hidden_sizes_or_preset_with_dropout(tmp_path
         ({"progress_every_s": -5}, "progress_every_s: must be a finite number > 0"),
         ({"gpu_sample_every_s": float("inf")}, "gpu_sample_every_s: must be a finite number > 0"),
         ({"torch_threads": 0}, "torch_threads: must be an integer >= 1"),
+        ({"collective_timeout_s": 0}, "collective_timeout_s: must be a finite number > 0, got 0"),
+        ({"collective_timeout_s": "5m"}, "collective_timeout_s: must be a finite number > 0, got '5m'"),
+        ({"collective_timeout_s": True}, "collective_timeout_s: must be a finite number > 0, got True"),
+        ({"allreduce_sample_every_steps": 0}, "allreduce_sample_every_steps: must be an integer >= 1, got 0"),
+        ({"allreduce_sample_every_steps": 2.5}, "allreduce_sample_every_steps: must be an integer >= 1"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps: must be an integer >= 1, got 0"),
+        ({"gradient_accumulation_steps": "2"}, "gradient_accumulation_steps: must be an integer >= 1, got '2'"),
         ({"run_id": ""}, "run_id: must be a non-empty string"),
         ({"labels": ["x"]}, "labels: must be an object"),
         ({"chekpoint_every_steps": 5}, "chekpoint_every_steps: unknown field"),
@@ -324,3 +351,37 @@ def test_training_deepspeed_settings_take_the_run_config_values():
         "zero_optimization.stage: 1 in the DeepSpeed config replaced by 3",
         "optimizer.params.lr: 0.001 in the DeepSpeed config replaced by 0.05",
     ]
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "accumulation", "world_size", "global_batch"),
+    [
+        (64, 1, 1, 64),
+        (64, 4, 1, 256),
+        (64, 1, 8, 512),
+        (32, 2, 4, 256),
+    ],
+    ids=["one-rank", "accumulation", "ranks", "both"],
+)
+def test_training_deepspeed_batch_is_micro_batch_x_accumulation_x_ranks(
+    batch_size, accumulation, world_size, global_batch
+):
+    result, _ = deepspeed_settings_for_run(
+        json.loads(ZERO1.read_text()),
+        batch_size=batch_size,
+        world_size=world_size,
+        learning_rate=0.01,
+        zero_stage=1,
+        gradient_accumulation_steps=accumulation,
+    )
+    assert (
+        result["train_micro_batch_size_per_gpu"],
+        result["gradient_accumulation_steps"],
+        result["train_batch_size"],
+    ) == (batch_size, accumulation, global_batch)
+
+
+def test_training_job_docstring_lists_every_run_config_key():
+    """jobs/train.py's docstring is the run config's reference: every accepted key appears there."""
+    docstring = ast.get_docstring(ast.parse((REPO / "jobs" / "train.py").read_text()))
+    assert sorted(key for key in _KNOWN_KEYS if f'"{key}"' not in docstring) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
@@ -12,8 +13,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
 
-from hybridtrain.errors import ExitCode, RequeueError  # noqa: E402
-from hybridtrain.launch import distributed_environment, first_node, free_port, restart_count  # noqa: E402
+from hybridtrain.errors import ExitCode, RequeueError, ResumeError, collective_failure  # noqa: E402
+from hybridtrain.launch import (  # noqa: E402
+    cuda_device_index,
+    describe_ranks,
+    distributed_environment,
+    first_node,
+    free_port,
+    log_format,
+    node_name,
+    restart_count,
+)
 from hybridtrain.preemption import StopRequest, requeue_command, requeue_job  # noqa: E402
 
 
@@ -122,6 +132,79 @@ def test_training_restart_count(environ, previous, expected):
     assert restart_count(environ, previous) == expected
 
 
+@pytest.mark.parametrize(
+    ("local_rank", "device_count", "index"),
+    [
+        (0, 1, 0),
+        (1, 1, 0),
+        (3, 1, 0),
+        (0, 4, 0),
+        (1, 4, 1),
+        (3, 4, 3),
+        (1, 2, 1),
+        (2, 2, 0),
+        (1, 0, 0),
+    ],
+    ids=[
+        "one-gpu-rank0",
+        "slurm-binds-one-gpu-per-task-rank1",
+        "slurm-binds-one-gpu-per-task-rank3",
+        "all-gpus-visible-rank0",
+        "all-gpus-visible-rank1",
+        "all-gpus-visible-rank3",
+        "two-gpus-per-task-rank1",
+        "fewer-gpus-than-local-ranks",
+        "no-gpu-visible",
+    ],
+)
+def test_training_cuda_device_index(local_rank, device_count, index):
+    assert cuda_device_index(local_rank, device_count) == index
+
+
+@pytest.mark.parametrize(
+    ("environ", "hostname", "node"),
+    [
+        ({"SLURMD_NODENAME": "gpu-node-02"}, "gpu-node-02.cluster.example.com", "gpu-node-02"),
+        ({"SLURMD_NODENAME": "n7"}, "other-name", "n7"),
+        ({}, "gpu-node-03.cluster.example.com", "gpu-node-03"),
+        ({"SLURMD_NODENAME": ""}, "laptop", "laptop"),
+    ],
+    ids=["slurm-node-name", "slurm-wins-over-hostname", "short-hostname", "empty-slurm-variable"],
+)
+def test_training_node_name(environ, hostname, node):
+    assert node_name(environ, hostname) == node
+
+
+def test_training_log_format_names_rank_and_node():
+    record = logging.LogRecord("hybridtrain", logging.ERROR, __file__, 1, "peer lost", None, None)
+    line = logging.Formatter(log_format(1, "gpu-node-02")).format(record)
+    assert line.split(" ", 2)[2] == "rank1@gpu-node-02 ERROR hybridtrain: peer lost"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "nodes", "placement"),
+    [
+        ([{"rank": 0, "node": "vm", "local_rank": 0}], 1, "0@vm"),
+        (
+            [
+                {"rank": 1, "node": "gpu-node-02", "local_rank": 0},
+                {"rank": 0, "node": "gpu-node-01", "local_rank": 0},
+            ],
+            2,
+            "0@gpu-node-01, 1@gpu-node-02",
+        ),
+        (
+            [{"rank": r, "node": f"n{r // 2}", "local_rank": r % 2} for r in range(4)],
+            2,
+            "0@n0, 1@n0, 2@n1, 3@n1",
+        ),
+    ],
+    ids=["one-rank", "two-nodes-out-of-order", "two-nodes-two-gpus-each"],
+)
+def test_training_describe_ranks(ranks, nodes, placement):
+    assert describe_ranks(ranks) == (nodes, placement)
+
+
 @pytest.fixture
 def restore_signal_handlers():
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGUSR2, signal.SIGTERM)}
@@ -185,3 +268,39 @@ def test_training_exit_codes_are_stable():
         "REQUEUE_FAILED": 76,
         "TERMINATED": 143,
     }
+
+
+def test_training_resume_errors_exit_2_like_invalid_input():
+    assert ResumeError("x").exit_code == ExitCode.INVALID_INPUT == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "collective"),
+    [
+        (
+            "RuntimeError: [third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for "
+            "recv operation to complete",
+            True,
+        ),
+        (
+            "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:55996: Connection reset by peer. "
+            "This is typically caused by a remote worker hanging",
+            True,
+        ),
+        ("DistStoreError: Timed out after 301 seconds waiting for clients. 1/2 clients joined.", True),
+        ("DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error", True),
+        ("RuntimeError: mat1 and mat2 shapes cannot be multiplied (32x6 and 7x16)", False),
+        ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ],
+    ids=["gloo-timeout", "gloo-peer-died", "rendezvous-timeout", "nccl", "shape-bug", "oom"],
+)
+def test_training_collective_failure_names_the_cause(text, collective):
+    error = collective_failure(text, 300.0)
+    if not collective:
+        assert error is None
+        return
+    assert error is not None and error.exit_code == ExitCode.FAILED
+    assert str(error).startswith(
+        "a collective operation failed (collective_timeout_s=300): another rank is dead, stuck or unreachable"
+    )
+    assert str(error).endswith(text.splitlines()[0])

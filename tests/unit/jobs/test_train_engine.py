@@ -1,0 +1,104 @@
+"""DeepSpeed set-up on GPUs, without a GPU: which device each rank takes, and the collective timeout everywhere.
+
+torch and DeepSpeed are replaced at their entry points (this machine has no CUDA): the test checks what the job
+asks of them, which is where Slurm's one-GPU-per-task binding would otherwise fail on local rank 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from hybridtrain import engine as ds_engine  # noqa: E402
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Record what init_engine asks of CUDA, torch.distributed and DeepSpeed."""
+    calls: dict[str, object] = {}
+    monkeypatch.setattr(dist, "new_group", dist.new_group)  # restored after init_engine wraps it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.__setitem__("set_device", index))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda backend, **kwargs: calls.__setitem__("init_process_group", (backend, kwargs))
+    )
+    monkeypatch.setattr(
+        deepspeed, "init_distributed", lambda **kwargs: calls.__setitem__("init_distributed", kwargs)
+    )
+
+    def initialize(**kwargs):
+        calls["initialize"] = kwargs
+        return "engine", None, None, None
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+
+    def start(local_rank: int, device_count: int, world_size: int) -> dict[str, object]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: device_count)
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        engine, device = ds_engine.init_engine(torch.nn.Linear(2, 1), {}, local_rank, timeout_s=42)
+        calls["engine"], calls["device"] = engine, device
+        return calls
+
+    return start
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "device_count", "world_size", "index", "device_id"),
+    [
+        (1, 1, 2, 0, True),
+        (3, 1, 8, 0, True),
+        (1, 4, 4, 1, True),
+        (0, 1, 1, 0, False),
+        (2, 1, 1, 0, False),
+    ],
+    ids=[
+        "slurm-one-gpu-per-task-local-rank-1",
+        "slurm-one-gpu-per-task-local-rank-3",
+        "every-gpu-visible",
+        "single-rank",
+        "single-rank-local-rank-2",
+    ],
+)
+def test_training_init_engine_binds_nccl_and_deepspeed_to_the_bound_gpu(
+    fake_cuda, local_rank, device_count, world_size, index, device_id
+):
+    calls = fake_cuda(local_rank, device_count, world_size)
+    assert calls["set_device"] == index
+    assert calls["device"] == torch.device("cuda", index)
+    backend, kwargs = calls["init_process_group"]
+    assert backend == "nccl" and kwargs["timeout"] == timedelta(seconds=42)
+    assert kwargs.get("device_id") == (torch.device("cuda", index) if device_id else None)
+    assert calls["init_distributed"] == {"dist_backend": "nccl", "timeout": timedelta(seconds=42)}
+    assert calls["initialize"]["args"] == SimpleNamespace(device_rank=index), "not DeepSpeed's cuda:LOCAL_RANK"
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "timeout"),
+    [
+        ((), {"ranks": [0, 1]}, timedelta(seconds=42)),
+        (([0, 1],), {}, timedelta(seconds=42)),
+        (([0, 1],), {"timeout": None}, timedelta(seconds=42)),
+        (([0, 1],), {"timeout": timedelta(seconds=7)}, timedelta(seconds=7)),
+        (([0, 1], timedelta(seconds=9)), {}, timedelta(seconds=9)),
+    ],
+    ids=["keyword-ranks", "positional-ranks", "explicit-none", "explicit-timeout-kept", "positional-timeout-kept"],
+)
+def test_training_process_groups_default_to_the_collective_timeout(monkeypatch, args, kwargs, timeout):
+    """DeepSpeed's clone of the world group (its gradient reductions) is created without a timeout."""
+    created = []
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: created.append((a, k)) or "group")
+    ds_engine._groups_default_to(timedelta(seconds=42))
+    ds_engine._groups_default_to(timedelta(seconds=42))  # a second engine in one process does not stack wrappers
+    assert dist.new_group(*args, **kwargs) == "group"
+    ((passed_args, passed_kwargs),) = created
+    assert (passed_kwargs.get("timeout") or passed_args[1]) == timeout
