@@ -510,6 +510,28 @@ StorageLoc=slurm_acct_db
 """
 
 
+HOSTS_MARKER = "# hybridflow: the local Slurm nodes"
+
+
+def hosts_with_nodes(hosts: str, nodes: list[str]) -> str:
+    """/etc/hosts with one line naming every local Slurm node at 127.0.0.1 (replacing an earlier such line).
+
+    A distributed job rendezvous at its first node's name (MASTER_ADDR), as on a real cluster where node names
+    resolve; here they are all this machine.
+    """
+    kept = [line for line in hosts.splitlines() if not line.endswith(HOSTS_MARKER)]
+    return "\n".join([*kept, f"127.0.0.1 {' '.join(nodes)} {HOSTS_MARKER}"]) + "\n"
+
+
+def resolve_node_names() -> None:
+    hosts = Path("/etc/hosts")
+    current = hosts.read_text() if hosts.exists() else ""
+    wanted = hosts_with_nodes(current, SLURM_NODES)
+    if wanted != current:
+        # Written in place: /etc/hosts is often a bind mount, which a rename cannot replace.
+        hosts.write_text(wanted)
+
+
 def configure_slurm() -> tuple[str, bool]:
     """Write the Slurm configs; returns the digest of what slurmctld and slurmd read, and whether it changed."""
     for sub in ("", "ctld", "d", "run", "log"):
@@ -523,6 +545,7 @@ def configure_slurm() -> tuple[str, bool]:
             dev = gres_dir(node) / f"gpu{i}"
             if not dev.exists():
                 run(["mknod", "-m", "0666", str(dev), "c", "1", "3"])
+    resolve_node_names()
     etc = Path("/etc/slurm")
     slurm, gres = slurm_conf(), gres_conf()
     changed = write_if_changed(etc / "slurm.conf", slurm)

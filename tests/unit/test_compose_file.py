@@ -546,6 +546,8 @@ def test_compose_runs_two_slurm_gpu_nodes():
         assert _depends_on(service)["slurm-controller"]["condition"] == "service_healthy"
         # Healthy only while its own node takes jobs.
         assert f"sinfo -h -N -n {node} " in " ".join(service["healthcheck"]["test"])
+        # Ranks rendezvous at the first node's Slurm name: each node name resolves on the compose network.
+        assert node in service["networks"]["default"]["aliases"]
 
 
 @pytest.mark.parametrize("name", ["slurm-controller", *SLURM_GPU_NODE_SERVICES])

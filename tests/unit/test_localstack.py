@@ -209,3 +209,23 @@ def test_localstack_sshd_conf_is_loopback_key_only(localstack):
     conf = localstack.sshd_conf().splitlines()
     for line in ("ListenAddress 127.0.0.1", "PasswordAuthentication no", "PermitRootLogin no", "AllowUsers mlops"):
         assert line in conf
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        "127.0.0.1 localhost\n",
+        "",
+        "127.0.0.1 localhost\n127.0.0.1 gpu-node-01 # hybridflow: the local Slurm nodes\n::1 ip6-localhost\n",
+        "127.0.0.1 localhost",
+    ],
+    ids=["plain", "empty", "earlier-node-line", "no-final-newline"],
+)
+def test_localstack_node_names_resolve_to_loopback_once(localstack, hosts):
+    nodes = ["gpu-node-01", "gpu-node-02"]
+    written = localstack.hosts_with_nodes(hosts, nodes)
+    node_lines = [line for line in written.splitlines() if "gpu-node-" in line]
+    assert node_lines == ["127.0.0.1 gpu-node-01 gpu-node-02 # hybridflow: the local Slurm nodes"]
+    assert localstack.hosts_with_nodes(written, nodes) == written  # idempotent
+    assert [line for line in written.splitlines() if "gpu-node-" not in line] == [
+        line for line in hosts.splitlines() if "gpu-node-" not in line]
