@@ -1,19 +1,53 @@
-"""Benchmark `training`: DeepSpeed engine steps/s against a plain torch loop, same model, data and optimizer.
+"""Benchmark `training`: the real training job on the real local Slurm at 1 and 2 ranks, and the DeepSpeed
+engine against a plain torch loop in this process.
 
-The DeepSpeed side is what jobs/train.py runs: ``include/deepspeed/zero1.json`` (ZeRO-1, torch AdamW, gradient
-clipping 1.0), one process (gloo on CPU, NCCL on a GPU). The torch side is ``torch.optim.AdamW`` with the same
-hyperparameters and ``clip_grad_norm_``. Both start from the same weights and take the same batches of the
-same synthetic rows. Timing alternates short windows of each loop and reports the median of each, so load from
-other processes on a shared machine hits both alike.
+**On Slurm** (the figures a pipeline run gets): synthetic features as the Spark job publishes them (default 2
+days x 20,000 customers, the 4 feature columns of tests/integration/conftest.py, a planted signal) are written
+to ``<storage root>/features/bench-<tag>`` readable by the job user; then ``jobs/train.py`` is submitted
+twice through hybridflow's own code path (``DeepSpeedTrainingOperator(...).build_spec`` ->
+``render_sbatch_script`` -> ``SlurmHook.submit`` over SSH as the job user, partition gpu-training), one job
+after the other: 1 node x 1 rank, then 1 node x 2 ranks (``gpus_per_node=2``, one srun rank per GPU). Both
+runs use the same preset, per-rank micro-batch, fixed ``max_steps``, ``torch_threads`` and one CPU per task;
+checkpoints only at the last step. ``ranks_<n>_rows_per_s`` is the job's own ``metrics.json`` ``samples_per_s``
+(rows all ranks processed / training-loop wall time, start-up excluded); ``scaling_efficiency`` is
+``ranks_2 / (2 x ranks_1)``; ``allreduce_share_in_job`` is the 2-rank job's ``metrics["allreduce"]["share"]``
+(median time of one all-reduce of the gradient volume, taken after a barrier every 25 steps, over the median
+step time; the job measures it), ``not_measured`` when the deployed job does not write it. Per run the result
+also keeps the job's wall times (submit to end, queue wait, Slurm elapsed, process), world size, ranks and
+nodes, and the job's own GPU summary (``metrics["gpu"]``, per GPU where the job reports it). The features and
+both run directories are removed afterwards (the run directories as the job user, who owns them). At 5000 steps
+the training loop took 16 s at 1 rank and 60 s at 2 ranks here (2026-12, others' tests running alongside).
 
-Prints ``RESULT training deepspeed_steps_per_s=<x> torch_steps_per_s=<y> deepspeed_rows_per_s=<r>
-gpu_mean_util_pct=<u>``; ``main()`` returns the figures. Rows are this tabular model's tokens. On a GPU machine
-(CUDA torch, nvidia-smi on PATH) the same command measures the GPU: NCCL, one GPU, and nvidia-smi sampled every
-second while the loops run; without one, utilization is "not measured", never invented.
-Environment: BENCH_TRAINING_PRESET (default small), BENCH_TRAINING_BATCH (256), BENCH_TRAINING_STEPS (steps
-per window, 60), BENCH_TRAINING_ROUNDS (15), BENCH_TRAINING_THREADS (torch threads, 1: on a shared 2-core
-machine a second intra-op thread made both loops several times slower and noisier), BENCH_TRAINING_ZERO_STAGE
-(1; the stage applied to ``zero1.json``, as the run config's zero_stage does).
+What the scaling figure means HERE: this machine has 2 CPU cores shared by everything (the Slurm "GPUs" are
+fake GRES). Two ranks are two gloo processes competing for the same 2 cores (with whatever else runs), so the
+scaling efficiency is what the cores allow, not what GPUs would give. The all-reduce share does not explain
+it: it is taken after a barrier, so it leaves out the time a rank waits for the other to be scheduled, which
+is what two processes on two busy cores mostly do. On a GPU machine the same script runs NCCL with one GPU per
+rank, and reports per-GPU utilization (nvidia-smi inside the job); without nvidia-smi every GPU figure stays
+``not_measured``, never invented.
+
+**In this process** (as before): the DeepSpeed side is what jobs/train.py runs: ``include/deepspeed/
+zero1.json`` (ZeRO-1, torch AdamW, gradient clipping 1.0), one process (gloo on CPU, NCCL on a GPU). The torch
+side is ``torch.optim.AdamW`` with the same hyperparameters and ``clip_grad_norm_``. Both start from the same
+weights and take the same batches of the same synthetic rows (32 features). Timing alternates short windows
+of each loop and reports the median of each, so load from other processes on a shared machine hits both
+alike. On a GPU machine (CUDA torch, nvidia-smi on PATH) it measures one GPU, nvidia-smi sampled every second.
+
+Prints ``RESULT training ranks_1_rows_per_s=<x> ranks_2_rows_per_s=<y> scaling_efficiency=<y/(2x)>
+allreduce_share_in_job=<s> deepspeed_steps_per_s=<d> torch_steps_per_s=<t> deepspeed_rows_per_s=<r>
+gpu_mean_util_pct=<u>``; ``main()`` returns every figure. Rows are this tabular model's tokens. Needs the
+local stack up (``make up``): the Slurm SSH connection comes from ``.state/airflow-env.json``.
+
+Environment: BENCH_TRAINING_PRESET (default small, both parts), BENCH_TRAINING_THREADS (torch threads, 1,
+both parts: on a shared 2-core machine a second intra-op thread made both loops several times slower and
+noisier), BENCH_TRAINING_ZERO_STAGE (1, both parts; the stage applied to ``zero1.json``, as the run config's
+zero_stage does). In process: BENCH_TRAINING_BATCH (256), BENCH_TRAINING_STEPS (steps per window, 60),
+BENCH_TRAINING_ROUNDS (15). On Slurm: BENCH_TRAINING_JOB_STEPS (max_steps of both jobs, 5000),
+BENCH_TRAINING_JOB_BATCH (per-rank micro-batch, 256), BENCH_TRAINING_JOB_CUSTOMERS (rows per day, 20000),
+BENCH_TRAINING_JOB_DAYS (2), BENCH_TRAINING_JOB_PARTITION (gpu-training), BENCH_TRAINING_JOB_TIMEOUT (seconds
+a job may take from submit to end, 600), BENCH_TRAINING_JOB_MASTER_ADDR (unset: the job rendezvous at its first
+node's name, as in production; set it to force an address), BENCH_TRAINING_JOB_KEEP (1: keep the features and
+run directories, for debugging).
 """
 
 from __future__ import annotations
@@ -21,13 +55,18 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+import uuid
+from datetime import date, timedelta
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,6 +82,13 @@ N_FEATURES = 32
 N_ROWS = 65_536
 WARMUP_STEPS = 10
 SEED = 0
+
+# The Slurm jobs: features as tests/integration/conftest.py writes them, on the cluster's shared storage.
+JOB_FEATURES = ["spend_30d", "visits_7d", "basket_mean", "discount_share"]
+JOB_FIRST_DAY = date(2026, 1, 1)
+JOB_SEED = 7
+JOB_RANKS = (1, 2)
+NOT_MEASURED = "not_measured"
 
 
 def _setting(name: str, default: int | str) -> int | str:
@@ -108,13 +154,11 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main() -> dict:
-    preset_name = str(_setting("PRESET", "small"))
+def _in_process(preset_name: str, zero_stage: int) -> dict:
+    """The DeepSpeed engine against the plain torch loop, alternating windows in this process."""
     batch = int(_setting("BATCH", 256))
     steps = int(_setting("STEPS", 60))
     rounds = int(_setting("ROUNDS", 15))
-    zero_stage = int(_setting("ZERO_STAGE", 1))
-    torch.set_num_threads(int(_setting("THREADS", 1)))
     os.environ.update(distributed_environment(os.environ, free_port))
 
     spec = load_model_presets(DEFAULT_MODEL_PRESETS_PATH)[preset_name]
@@ -173,12 +217,226 @@ def main() -> dict:
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
     }
-    utilization = gpu.get("mean_utilization_pct")
+    return result
+
+
+# --- The real training job on the real local Slurm ----------------------------------------------------------
+
+
+def _stack_environment() -> dict[str, str]:
+    """The environment `make up` wrote for Airflow (AIRFLOW_CONN_SLURM_SSH, HYBRIDFLOW_*), set in this process."""
+    path = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state")) / "airflow-env.json"
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: the local stack is not up (run `make up`)")
+    env = json.loads(path.read_text())
+    os.environ.update(env)
+    return env
+
+
+def _write_job_features(root: Path, days: list[str], customers: int) -> None:
+    """Published feature partitions as the Spark job leaves them (tests/integration/conftest.py's layout), with
+    a planted signal in the first features; readable by the job user."""
+    for seed, ds in enumerate(days):
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(customers, len(JOB_FEATURES)))
+        labels = (rng.random(customers) < 1 / (1 + np.exp(-(1.8 * x[:, 0] - 1.2 * x[:, 1])))).astype(np.int32)
+        table = pa.table({"customer_id": [f"c{seed}-{i}" for i in range(customers)], "label": labels}
+                         | {name: x[:, i].astype(np.float32) for i, name in enumerate(JOB_FEATURES)})
+        directory = root / f"ds={ds}"
+        directory.mkdir(parents=True)
+        pq.write_table(table, directory / "part-00000.parquet")
+        (directory / "_MANIFEST.json").write_text(json.dumps({"feature_columns": JOB_FEATURES, "ds": ds}))
+        (directory / "_SUCCESS").write_text("")
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _share_of(allreduce) -> float | None:
+    return allreduce.get("share") if isinstance(allreduce, dict) else None
+
+
+def _measured(value):
+    return NOT_MEASURED if value is None else value
+
+
+def _placement(ranks) -> str:
+    """``0@gpu-node-01, 1@gpu-node-01`` from metrics["deepspeed"]["ranks"]."""
+    if not isinstance(ranks, list):
+        return str(ranks)
+    return ", ".join(f"{entry.get('rank')}@{entry.get('node')}" for entry in ranks)
+
+
+def _job_log(hook, status) -> str:
+    return "".join(hook.read_text(path) or "" for path in (status.stdout_path, status.stderr_path) if path)
+
+
+def _run_job(hook, stack: dict[str, str], run_config: dict, run_dir: str, *, ranks: int, tag: str,
+             partition: str, timeout_s: float, env: dict[str, str]) -> dict:
+    """Submit jobs/train.py as the operator renders it (1 node x ``ranks`` ranks), wait for the end, read its
+    metrics.json; raises unless the job COMPLETED."""
+    from hybridflow.operators.training import DeepSpeedTrainingOperator
+    from hybridflow.utils.slurm import deterministic_job_name, render_sbatch_script
+
+    op = DeepSpeedTrainingOperator(
+        task_id="train", run_config=run_config, run_dir=run_dir, python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
+        jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], partition=partition, nodes=1, gpus_per_node=ranks,
+        cpus_per_task=1, time_limit=max(5, int(timeout_s // 60) + 1), requeue=False, env=env,
+    )
+    hook.run(["mkdir", "-p", "--", f"{run_dir}/logs"])
+    hook.write_text(f"{run_dir}/config.json", json.dumps({**op.run_config, "run_dir": run_dir}, indent=2))
+    script = render_sbatch_script(op.build_spec(deterministic_job_name("bench", "training", f"{tag}-ranks{ranks}")))
+    submitted = time.monotonic()
+    job_id = hook.submit(script)
+    print(f"training job, 1 node x {ranks} rank(s): Slurm job {job_id} submitted", flush=True)
+    started = None
+    try:
+        status = hook.status(job_id)
+        while not (status and status.final(requeue_enabled=False)):
+            if started is None and status and status.state == "RUNNING":
+                started = time.monotonic()
+            if time.monotonic() - submitted > timeout_s:
+                raise RuntimeError(f"Slurm job {job_id} ({ranks} ranks) did not end within {timeout_s:.0f} s: {status}")
+            time.sleep(1)
+            status = hook.status(job_id)
+    except BaseException:
+        hook.cancel(job_id)
+        raise
+    ended = time.monotonic()
+    if status.state != "COMPLETED":
+        raise RuntimeError(f"Slurm job {job_id} ({ranks} ranks) ended {status.state} (exit {status.exit_code}); "
+                           f"its log ends:\n{_job_log(hook, status)[-3000:]}")
+    metrics = json.loads(hook.read_text(f"{run_dir}/metrics.json") or "{}")
+    if not metrics.get("samples_per_s"):
+        raise RuntimeError(f"Slurm job {job_id} COMPLETED without samples_per_s in {run_dir}/metrics.json")
+    deepspeed = metrics.get("deepspeed") or {}
+    allreduce = metrics.get("allreduce")
+    if isinstance(allreduce, dict):
+        allreduce = {key: value for key, value in allreduce.items() if key != "series"}  # every sample: long
+    gpu = metrics.get("gpu") or {}
+    train_wall_s = metrics.get("train_wall_time_s")
+    run = {
+        "job_id": job_id,
+        "state": status.state,
+        "ranks_requested": ranks,
+        "world_size": deepspeed.get("world_size"),
+        "nodes": deepspeed.get("nodes"),
+        "ranks": deepspeed.get("ranks", NOT_MEASURED),
+        "device": deepspeed.get("device"),
+        "alloc_tres": dict(status.alloc_tres),
+        "rows_per_s": metrics["samples_per_s"],
+        "steps": metrics.get("step"),
+        "steps_per_s": round(metrics["step"] / train_wall_s, 2) if metrics.get("step") and train_wall_s else None,
+        "rows_processed": metrics.get("train_rows_processed"),
+        "train_loop_s": train_wall_s,
+        "job_process_wall_s": metrics.get("wall_time_s"),
+        "slurm_elapsed_s": status.elapsed_s,
+        "submit_to_end_s": round(ended - submitted, 1),
+        "queue_wait_s": round(started - submitted, 1) if started is not None else None,
+        "holdout_auc": (metrics.get("holdout") or {}).get("auc"),
+        "allreduce": _measured(allreduce),
+        "gpu_mean_util_pct": _measured(gpu.get("mean_utilization_pct")),
+        "gpu_per_device": gpu.get("per_gpu") or NOT_MEASURED,
+        "gpu": gpu or NOT_MEASURED,
+    }
+    print(f"training job, 1 node x {ranks} rank(s): Slurm job {job_id} {status.state}: {run['rows_per_s']} rows/s, "
+          f"{run['steps']} steps in a {train_wall_s} s training loop, world size {run['world_size']}, ranks "
+          f"{_placement(run['ranks'])}, {run['submit_to_end_s']} s submit to end (queued {run['queue_wait_s']} s, "
+          f"Slurm elapsed {status.elapsed_s} s), all-reduce share {_measured(_share_of(allreduce))}", flush=True)
+    return run
+
+
+def _on_slurm(preset_name: str, zero_stage: int, threads: int) -> dict:
+    """jobs/train.py at 1 and 2 ranks on one node of the local Slurm, one job after the other."""
+    stack = _stack_environment()
+    from hybridflow.hooks.slurm import SlurmHook
+
+    steps = int(_setting("JOB_STEPS", 5000))
+    batch = int(_setting("JOB_BATCH", 256))
+    customers = int(_setting("JOB_CUSTOMERS", 20_000))
+    n_days = int(_setting("JOB_DAYS", 2))
+    partition = str(_setting("JOB_PARTITION", "gpu-training"))
+    timeout_s = float(_setting("JOB_TIMEOUT", 600))
+    keep = str(_setting("JOB_KEEP", "0")) == "1"
+    # Both jobs run on one node, so their ranks meet on the node's loopback. Left to itself the job takes the
+    # first node's Slurm name (gpu-node-01), which nothing resolves on the local stack (its nodes are slurmds
+    # on this machine, not hosts): the 2-rank job then waits in the rendezvous until it fails. "" lets the
+    # job derive it from the node list, as a pipeline run does.
+    master_addr = str(_setting("JOB_MASTER_ADDR", ""))
+    env = {"MASTER_ADDR": master_addr} if master_addr else {}
+
+    storage = stack["HYBRIDFLOW_STORAGE_ROOT"]
+    code_dir = Path(stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"]).parent
+    tag = uuid.uuid4().hex[:8]
+    features = Path(storage) / "features" / f"bench-{tag}"
+    days = [(JOB_FIRST_DAY + timedelta(days=offset)).isoformat() for offset in range(n_days)]
+    run_config = {
+        "run_id": f"bench-training-{tag}", "labels": {"benchmark": "training"},
+        "features_root": str(features), "ds_range": {"start": days[0], "end": days[-1]},
+        "model": {"preset": preset_name}, "epochs": None, "max_steps": steps, "batch_size": batch,
+        "learning_rate": 1e-3, "checkpoint_every_steps": steps, "seed": JOB_SEED, "zero_stage": zero_stage,
+        "deepspeed_config": str(code_dir / "include" / "deepspeed" / "zero1.json"),
+        "gpu_sample_every_s": 1.0, "torch_threads": threads,
+    }
+    run_dirs = {ranks: f"{storage}/runs/bench-training-{tag}-ranks{ranks}" for ranks in JOB_RANKS}
+    hook = SlurmHook()
+    runs: dict[int, dict] = {}
+    try:
+        _write_job_features(features, days, customers)
+        print(f"training jobs: features {features} ({n_days} days x {customers} customers), preset {preset_name}, "
+              f"micro-batch {batch} per rank, {steps} steps, torch_threads {threads}", flush=True)
+        for ranks in JOB_RANKS:
+            runs[ranks] = _run_job(hook, stack, run_config, run_dirs[ranks], ranks=ranks, tag=tag,
+                                   partition=partition, timeout_s=timeout_s, env=env)
+    finally:
+        if keep:
+            print(f"kept {features} and {', '.join(run_dirs.values())} (BENCH_TRAINING_JOB_KEEP=1)", flush=True)
+        else:
+            shutil.rmtree(features, ignore_errors=True)
+            for run_dir in run_dirs.values():
+                hook.run(["rm", "-rf", "--", run_dir])
+        hook.close()
+
+    one, two = runs[1]["rows_per_s"], runs[2]["rows_per_s"]
+    share = _share_of(runs[2]["allreduce"])
+    return {
+        "ranks_1_rows_per_s": one,
+        "ranks_2_rows_per_s": two,
+        "scaling_efficiency": round(two / (2 * one), 3),
+        "allreduce_share_in_job": _measured(share),
+        "runs": {f"ranks_{ranks}": run for ranks, run in runs.items()},
+        "preset": preset_name,
+        "micro_batch_per_rank": batch,
+        "max_steps": steps,
+        "rows": {"days": n_days, "customers_per_day": customers, "features": len(JOB_FEATURES)},
+        "torch_threads": threads,
+        "cpus_per_task": 1,
+        "partition": partition,
+        "master_addr": master_addr or "derived by the job from the node list",
+        "zero_stage": zero_stage,
+        "host_cpus": os.cpu_count(),
+    }
+
+
+def main() -> dict:
+    preset_name = str(_setting("PRESET", "small"))
+    zero_stage = int(_setting("ZERO_STAGE", 1))
+    threads = int(_setting("THREADS", 1))
+    torch.set_num_threads(threads)
+
+    slurm = _on_slurm(preset_name, zero_stage, threads)  # first: the jobs need the cores this process would use
+    result = _in_process(preset_name, zero_stage)
+    result |= {key: slurm[key] for key in ("ranks_1_rows_per_s", "ranks_2_rows_per_s", "scaling_efficiency",
+                                           "allreduce_share_in_job")}
+    result["slurm"] = slurm
     print(
-        f"RESULT training deepspeed_steps_per_s={result['deepspeed_steps_per_s']} "
+        f"RESULT training ranks_1_rows_per_s={result['ranks_1_rows_per_s']} "
+        f"ranks_2_rows_per_s={result['ranks_2_rows_per_s']} "
+        f"scaling_efficiency={result['scaling_efficiency']} "
+        f"allreduce_share_in_job={result['allreduce_share_in_job']} "
+        f"deepspeed_steps_per_s={result['deepspeed_steps_per_s']} "
         f"torch_steps_per_s={result['torch_steps_per_s']} "
         f"deepspeed_rows_per_s={result['deepspeed_samples_per_s']} "
-        f"gpu_mean_util_pct={utilization if utilization is not None else 'not_measured'}",
+        f"gpu_mean_util_pct={_measured(result['gpu'].get('mean_utilization_pct'))}",
         flush=True,
     )
     return result
