@@ -349,6 +349,9 @@ def _sbatch_directives(spec: SlurmJobSpec) -> list[str]:
     ]
     lines = [f"#SBATCH --{flag}={shlex.quote(value)}" for flag, value in options if value is not None]
     lines.append("#SBATCH --requeue" if spec.requeue else "#SBATCH --no-requeue")
+    if spec.requeue:
+        # A requeued job reopens its output files; Slurm's default truncates them, losing the first run's log.
+        lines.append("#SBATCH --open-mode=append")
     paths = [("chdir", spec.workdir), ("output", spec.output), ("error", spec.error)]
     lines += [f"#SBATCH --{flag}={shlex.quote(value)}" for flag, value in paths if value is not None]
     return lines

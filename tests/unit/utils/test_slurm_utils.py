@@ -122,6 +122,7 @@ def test_every_option_is_rendered_in_the_fixed_order():
         "#SBATCH --time=1-00:00:00",
         "#SBATCH --signal=B:USR2@120",
         "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
         "#SBATCH --chdir='/scratch/run dir'",
         "#SBATCH --output=/logs/%x-%j.out",
         "#SBATCH --error=/logs/%x-%j.err",
@@ -168,6 +169,7 @@ def test_ranks_without_gpus_start_an_srun_step_without_gpu_binding():
         ({"mem": "512"}, "#SBATCH --mem=512"),
         ({"signal": "SIGTERM@30"}, "#SBATCH --signal=B:SIGTERM@30"),
         ({"requeue": False}, "#SBATCH --no-requeue"),
+        ({"requeue": True}, "#SBATCH --open-mode=append"),
         ({"output": "/logs/it's %j.out"}, "#SBATCH --output='/logs/it'\"'\"'s %j.out'"),
     ],
 )

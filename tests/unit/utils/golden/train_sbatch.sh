@@ -9,6 +9,7 @@
 #SBATCH --time=60
 #SBATCH --signal=USR2@90
 #SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 export HF_CONFIG=/x/y.json
