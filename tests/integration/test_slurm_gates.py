@@ -43,6 +43,54 @@ def test_slurm_capacity_sensor_waits_while_gpus_are_taken_and_proceeds_when_free
     assert sensor.poke({}) is True
 
 
+@pytest.mark.parametrize(
+    "nodes, gpus_per_node, fragment",
+    [(1, 9, "its largest node is gpu-node-02 with 8 GPU(s)"),
+     (3, 1, "only 2 of its 2 node(s) have 1+ GPUs"),
+     (3, 9, "its largest node is gpu-node-02 with 8 GPU(s)")],
+    ids=["gpus-per-node", "nodes", "both"],
+)
+def test_slurm_capacity_refuses_at_once_what_the_partition_can_never_run(stack, nodes, gpus_per_node, fragment):
+    """Nothing is held: waiting would not help, so the sensor fails on its first poke and the trigger ends at once."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from hybridflow.sensors.slurm import SlurmCapacitySensor
+    from hybridflow.triggers.slurm import SlurmCapacityTrigger
+
+    sensor = SlurmCapacitySensor(task_id="capacity", partition="gpu-training", nodes=nodes,
+                                 gpus_per_node=gpus_per_node)
+    with pytest.raises(AirflowFailException, match="can never run in partition 'gpu-training'") as refused:
+        sensor.poke({})
+    assert fragment in str(refused.value) and "include/runbooks/capacity.md" in str(refused.value)
+
+    trigger = SlurmCapacityTrigger(partition="gpu-training", gpus_per_node=gpus_per_node, nodes=nodes,
+                                   ssh_conn_id="slurm_ssh", poke_interval_s=1, timeout_s=60)
+
+    async def first_event():
+        async for event in trigger.run():
+            return event.payload
+
+    event = asyncio.run(first_event())
+    assert event["status"] == "impossible" and fragment in event["reason"]
+
+
+def test_training_operator_refuses_an_impossible_shape_before_submitting(stack):
+    from airflow.sdk.exceptions import AirflowFailException
+    from hybridflow.operators.training import DeepSpeedTrainingOperator
+
+    run_dir = f"{stack['HYBRIDFLOW_STORAGE_ROOT']}/runs/test-impossible-{uuid.uuid4().hex[:8]}"
+    op = DeepSpeedTrainingOperator(task_id="train", run_config={}, run_dir=run_dir, python="python3",
+                                   jobs_dir="/nowhere", partition="gpu-training", nodes=2, gpus_per_node=9)
+    hook = SlurmHook()
+    try:
+        before = hook.run(["sacct", "-X", "-n", "-P", "--starttime=now-1hours", "--format=JobID"]).stdout.split()
+        with pytest.raises(AirflowFailException, match="not submitted: 2 node.s. x 9 GPU.s. can never run"):
+            op._refuse_impossible_shape(op.build_spec("hf-test-impossible"))
+        after = hook.run(["sacct", "-X", "-n", "-P", "--starttime=now-1hours", "--format=JobID"]).stdout.split()
+        assert after == before
+    finally:
+        hook.close()
+
+
 def test_slurm_capacity_trigger_yields_ready_once_the_gpus_free_up(all_gpus_taken):
     """The deferrable path: the trigger's own async SSH connection (host key verified on port 2222)."""
     from hybridflow.triggers.slurm import SlurmCapacityTrigger
