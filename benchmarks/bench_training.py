@@ -35,7 +35,9 @@ alike. On a GPU machine (CUDA torch, nvidia-smi on PATH) it measures one GPU, nv
 
 Prints ``RESULT training ranks_1_rows_per_s=<x> ranks_2_rows_per_s=<y> scaling_efficiency=<y/(2x)>
 allreduce_share_in_job=<s> deepspeed_steps_per_s=<d> torch_steps_per_s=<t> deepspeed_rows_per_s=<r>
-gpu_mean_util_pct=<u>``; ``main()`` returns every figure. Rows are this tabular model's tokens. Needs the
+tokens_per_s=<k> mfu=<m> gpu_mean_util_pct=<u>``; ``main()`` returns every figure, per-GPU utilization among
+them. Rows are this tabular model's tokens; MFU counts 6 FLOPs per parameter per row against the GPU's dense
+bf16 peak (``BENCH_TRAINING_PEAK_TFLOPS`` overrides; "not_measured" on a CPU). Needs the
 local stack up (``make up``): the Slurm SSH connection comes from ``.state/airflow-env.json``.
 
 Environment: BENCH_TRAINING_PRESET (default small, both parts), BENCH_TRAINING_THREADS (torch threads, 1,
@@ -199,7 +201,11 @@ def _in_process(preset_name: str, zero_stage: int) -> dict:
 
     deepspeed_rate = statistics.median(deepspeed_rates)
     torch_rate = statistics.median(torch_rates)
+    n_parameters = count_parameters(reference)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     result = {
+        "tokens_per_s": round(deepspeed_rate * batch, 1),
+        **_model_flops_utilization(deepspeed_rate * batch, n_parameters, device_name),
         "deepspeed_steps_per_s": round(deepspeed_rate, 2),
         "torch_steps_per_s": round(torch_rate, 2),
         "deepspeed_overhead_pct": round(100 * (torch_rate / deepspeed_rate - 1), 1),
@@ -208,16 +214,33 @@ def _in_process(preset_name: str, zero_stage: int) -> dict:
         "deepspeed_rounds": [round(rate, 2) for rate in deepspeed_rates],
         "torch_rounds": [round(rate, 2) for rate in torch_rates],
         "preset": preset_name,
-        "n_parameters": count_parameters(reference),
+        "n_parameters": n_parameters,
         "batch_size": batch,
         "steps_per_round": steps,
         "rounds": rounds,
         "zero_stage": zero_stage,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "device": device_name,
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
     }
     return result
+
+
+# Published dense bf16 peaks (TFLOPS) of the GPUs this suite targets; BENCH_TRAINING_PEAK_TFLOPS overrides.
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def _model_flops_utilization(tokens_per_s: float, n_parameters: int, device_name: str) -> dict:
+    """MFU: achieved model FLOPs (6 per parameter per training row: 2 forward, 4 backward) over the device's peak;
+    "not_measured" with the reason when the peak is unknown (a CPU, an unlisted GPU)."""
+    override = os.environ.get("BENCH_TRAINING_PEAK_TFLOPS")
+    peak = float(override) if override else next(
+        (value for name, value in _PEAK_TFLOPS.items() if name in device_name), None)
+    if peak is None:
+        return {"mfu": None, "mfu_reason": f"no peak FLOPS known for {device_name} (set BENCH_TRAINING_PEAK_TFLOPS)"}
+    achieved = 6 * n_parameters * tokens_per_s
+    return {"mfu": round(achieved / (peak * 1e12), 6), "mfu_peak_tflops": peak,
+            "mfu_basis": "6 x parameters FLOPs per row over the dense bf16 peak"}
 
 
 # --- The real training job on the real local Slurm ----------------------------------------------------------
@@ -436,6 +459,8 @@ def main() -> dict:
         f"deepspeed_steps_per_s={result['deepspeed_steps_per_s']} "
         f"torch_steps_per_s={result['torch_steps_per_s']} "
         f"deepspeed_rows_per_s={result['deepspeed_samples_per_s']} "
+        f"tokens_per_s={result['tokens_per_s']} "
+        f"mfu={_measured(result['mfu'])} "
         f"gpu_mean_util_pct={_measured(result['gpu'].get('mean_utilization_pct'))}",
         flush=True,
     )
