@@ -67,13 +67,14 @@ from datetime import date, timedelta
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "jobs"))
+sys.path.insert(0, str(REPO / "tests" / "integration"))  # the synthetic feature partitions of the Slurm tests
 
+from feature_partitions import FEATURES as JOB_FEATURES  # noqa: E402
+from feature_partitions import write_features  # noqa: E402
 from hybridtrain.config import DEFAULT_MODEL_PRESETS_PATH, deepspeed_settings_for_run, load_model_presets  # noqa: E402
 from hybridtrain.engine import init_engine  # noqa: E402
 from hybridtrain.gpu import GpuSampler, read_gpu_metrics, summarise_gpu_metrics  # noqa: E402
@@ -85,8 +86,7 @@ N_ROWS = 65_536
 WARMUP_STEPS = 10
 SEED = 0
 
-# The Slurm jobs: features as tests/integration/conftest.py writes them, on the cluster's shared storage.
-JOB_FEATURES = ["spend_30d", "visits_7d", "basket_mean", "discount_share"]
+# The Slurm jobs: features as tests/integration/feature_partitions.py writes them, on the cluster's shared storage.
 JOB_FIRST_DAY = date(2026, 1, 1)
 JOB_SEED = 7
 JOB_RANKS = (1, 2)
@@ -257,19 +257,10 @@ def _stack_environment() -> dict[str, str]:
 
 
 def _write_job_features(root: Path, days: list[str], customers: int) -> None:
-    """Published feature partitions as the Spark job leaves them (tests/integration/conftest.py's layout), with
-    a planted signal in the first features; readable by the job user."""
+    """The Slurm tests' synthetic feature partitions (tests/integration/feature_partitions.py), readable by the
+    job user."""
     for seed, ds in enumerate(days):
-        rng = np.random.default_rng(seed)
-        x = rng.normal(size=(customers, len(JOB_FEATURES)))
-        labels = (rng.random(customers) < 1 / (1 + np.exp(-(1.8 * x[:, 0] - 1.2 * x[:, 1])))).astype(np.int32)
-        table = pa.table({"customer_id": [f"c{seed}-{i}" for i in range(customers)], "label": labels}
-                         | {name: x[:, i].astype(np.float32) for i, name in enumerate(JOB_FEATURES)})
-        directory = root / f"ds={ds}"
-        directory.mkdir(parents=True)
-        pq.write_table(table, directory / "part-00000.parquet")
-        (directory / "_MANIFEST.json").write_text(json.dumps({"feature_columns": JOB_FEATURES, "ds": ds}))
-        (directory / "_SUCCESS").write_text("")
+        write_features(root, ds, seed, customers)
     for path in [root, *root.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
 

@@ -1,14 +1,11 @@
 from __future__ import annotations
 
-import json
 import shutil
 import uuid
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from feature_partitions import write_features
 from hybridflow.hooks.slurm import SlurmHook
 
 
@@ -20,23 +17,8 @@ def pytest_collection_modifyitems(items):
 
 # --- Training on the real Slurm: features the job user can read, a run directory it can write -------------
 
-FEATURES = ["spend_30d", "visits_7d", "basket_mean", "discount_share"]
 DAYS = ("2026-01-01", "2026-01-02")
 CODE = "/var/lib/hybridflow/code"
-
-
-def write_features(root: Path, ds: str, seed: int, customers: int = 1200) -> None:
-    """One published features partition, as the Spark job leaves it (planted signal in the first features)."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(customers, len(FEATURES)))
-    labels = (rng.random(customers) < 1 / (1 + np.exp(-(1.8 * x[:, 0] - 1.2 * x[:, 1])))).astype(np.int32)
-    table = pa.table({"customer_id": [f"c{seed}-{i}" for i in range(customers)], "label": labels}
-                     | {name: x[:, i].astype(np.float32) for i, name in enumerate(FEATURES)})
-    directory = root / f"ds={ds}"
-    directory.mkdir(parents=True)
-    pq.write_table(table, directory / "part-00000.parquet")
-    (directory / "_MANIFEST.json").write_text(json.dumps({"feature_columns": FEATURES, "ds": ds}))
-    (directory / "_SUCCESS").write_text("")
 
 
 @pytest.fixture
