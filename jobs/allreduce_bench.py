@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hybridtrain.launch import distributed_environment, free_port
+from hybridtrain.launch import cuda_device_index, distributed_environment, free_port, node_name
 from torch import nn
 
 BUCKET_SIZES_MB = (1, 4, 16, 64)
@@ -60,10 +60,6 @@ def bus_bandwidth_gbps(nbytes: int, seconds: float, world: int) -> float:
     return nbytes / seconds * 2 * (world - 1) / world / 1e9 if seconds > 0 else 0.0
 
 
-def node_name() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-
-
 def topology(nodes_of_ranks: list[str]) -> dict:
     """Nodes x ranks per node from each rank's node name (rank order)."""
     nodes = sorted(set(nodes_of_ranks))
@@ -75,17 +71,16 @@ def topology(nodes_of_ranks: list[str]) -> dict:
 
 def measure(rank: int, world: int, args: argparse.Namespace, local_rank: int = 0) -> dict | None:
     use_cuda = torch.cuda.is_available()
-    # Slurm binds one GPU to each task (CUDA_VISIBLE_DEVICES lists one id): that is device 0 of this process.
-    index = local_rank if use_cuda and torch.cuda.device_count() > local_rank else 0
-    device = torch.device("cuda", index) if use_cuda else torch.device("cpu")
+    device = torch.device("cpu")
     if use_cuda:
+        device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
     torch.set_num_threads(cpus or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     try:
         names: list[str] = [""] * world
-        dist.all_gather_object(names, node_name())
+        dist.all_gather_object(names, node_name(os.environ, socket.gethostname()))
         sizes = []
         for mb in BUCKET_SIZES_MB:
             buf = torch.ones(mb * (1 << 20) // 4, device=device)

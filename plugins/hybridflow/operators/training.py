@@ -30,8 +30,6 @@ def summarise_metrics(metrics: Mapping[str, Any]) -> dict:
         "ranks": [f"{r.get('rank')}@{r.get('node')}" for r in deepspeed.get("ranks") or []],
         "zero_stage": deepspeed.get("zero_stage"),
         "allreduce_share_in_job": allreduce.get("share"),
-        "allreduce_in_job": {k: allreduce.get(k) for k in ("share", "comm_ms_median", "step_ms_median", "samples",
-                                                            "reason") if k in allreduce},
         "gpus_sampled": (metrics.get("gpu") or {}).get("per_gpu"),
     }
 
