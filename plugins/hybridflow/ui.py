@@ -2,7 +2,8 @@
 operator extra links that point at them.
 
 The pages sit behind Airflow's own login (the UI's session cookie or a bearer token): reports need read access to
-the DAG, a Slurm job page an authenticated user. Files are served only from inside the report store.
+the DAG, a Slurm job page an authenticated user. A report file is served only for a DAG Airflow knows, and only
+from inside that DAG's folder of the report store.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ if TYPE_CHECKING:
     from airflow.sdk import BaseOperator
 
 URL_PREFIX = "/hybridflow"
-JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
+# fullmatch only: `$` also matches before a trailing newline. ASCII digits only (`\d` takes any Unicode digit);
+# Slurm job and array task ids are uint32, at most 10 digits.
+JOB_ID = re.compile(r"[0-9]{1,10}(?:_[0-9]{1,10})?")
+# The ASCII part of Airflow's dag id rule (``[\w.-]``, at most 250 chars) with no leading dot or dash, so `.` and
+# `..` can never name a report folder.
+DAG_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}")
+# One path component of what RunReportOperator writes (``ds=<ds>/<run_key>/<file>``): no leading dot, so no `.`,
+# `..` or hidden files; no control characters, backslashes, percent signs or non-ASCII; at most NAME_MAX bytes.
+REPORT_NAME = re.compile(r"[A-Za-z0-9_=-][A-Za-z0-9_.=-]{0,254}")
+MAX_REPORT_PATH = 1024
 
 
 def storage_root() -> Path:
@@ -46,13 +56,36 @@ def slurm_job_url(job_id: str) -> str:
     return f"{api_base_url()}{URL_PREFIX}/slurm/jobs/{job_id}"
 
 
-def resolve_inside(base: Path, relative: str) -> Path | None:
-    """``base/relative`` when it stays inside ``base`` and is a file; None for traversal or a missing file."""
-    base = base.resolve()
-    target = (base / relative).resolve()
-    if target != base and base not in target.parents:
+def is_job_id(value: str) -> bool:
+    return isinstance(value, str) and JOB_ID.fullmatch(value) is not None
+
+
+def is_dag_id(value: str) -> bool:
+    return isinstance(value, str) and DAG_ID.fullmatch(value) is not None
+
+
+def report_parts(path: str) -> tuple[str, ...] | None:
+    """The components of a report file's path below its DAG's folder; None unless every one is a plain name.
+
+    The path arrives percent-decoded, so `%2F`, `%5C` and `%00` are already `/`, `\\` and NUL here."""
+    if not isinstance(path, str) or not path or len(path) > MAX_REPORT_PATH:
         return None
-    return target if target.is_file() else None
+    parts = tuple(path.split("/"))  # a leading, trailing or doubled slash gives an empty part
+    return parts if all(REPORT_NAME.fullmatch(part) for part in parts) else None
+
+
+def resolve_report(root: Path, dag_id: str, path: str) -> Path | None:
+    """The file ``root/dag_id/path`` when both are plain names and, symlinks followed, it is a file inside
+    ``root/dag_id``; None otherwise. The DAG's folder is not resolved, so a symlinked folder serves nothing."""
+    parts = report_parts(path)
+    if not is_dag_id(dag_id) or parts is None:
+        return None
+    base = root.resolve() / dag_id
+    try:
+        target = base.joinpath(*parts).resolve(strict=True)
+    except (OSError, RuntimeError, ValueError):  # missing, a symlink loop, a name the OS refuses
+        return None
+    return target if target.is_relative_to(base) and target.is_file() else None
 
 
 class SlurmJobLink(BaseOperatorLink):
@@ -64,7 +97,7 @@ class SlurmJobLink(BaseOperatorLink):
         from airflow.providers.common.compat.sdk import XCom
 
         job_id = XCom.get_value(ti_key=ti_key, key="slurm_job_id")
-        return slurm_job_url(str(job_id)) if job_id and JOB_ID.match(str(job_id)) else ""
+        return slurm_job_url(str(job_id)) if job_id is not None and is_job_id(str(job_id)) else ""
 
 
 class RunReportLink(BaseOperatorLink):
@@ -102,21 +135,41 @@ def slurm_job_page(job_id: str) -> str:
 
 def create_app():
     from airflow.api_fastapi.core_api.security import requires_access_dag, requires_authenticated
+    from airflow.models.dag import DagModel
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.responses import FileResponse, HTMLResponse
 
-    app = FastAPI(title="hybridflow", description="Run reports and Slurm job pages")
+    # No /docs, /redoc or /openapi.json: FastAPI serves them without Airflow's login.
+    app = FastAPI(title="hybridflow", description="Run reports and Slurm job pages", docs_url=None, redoc_url=None,
+                  openapi_url=None)
 
-    @app.get("/reports/{dag_id}/{path:path}", dependencies=[Depends(requires_access_dag("GET"))])
+    def not_found() -> HTTPException:
+        # A new one each time: a raised instance keeps its traceback and would grow with every re-raise.
+        return HTTPException(404, "no such report file")
+
+    def plain_dag_id(dag_id: str) -> None:
+        # Before the access check, so it only ever sees the id the file is then looked up under.
+        if not is_dag_id(dag_id):
+            raise not_found()
+
+    def known_dag(dag_id: str) -> None:
+        # After the access check, so a user without access cannot probe which DAGs exist.
+        if DagModel.get_dagmodel(dag_id) is None:
+            raise not_found()
+
+    report_checks = [Depends(requires_authenticated()), Depends(plain_dag_id), Depends(requires_access_dag("GET")),
+                     Depends(known_dag)]
+
+    @app.get("/reports/{dag_id}/{path:path}", dependencies=report_checks)
     def report_file(dag_id: str, path: str):
-        found = resolve_inside(reports_root() / dag_id, path)
+        found = resolve_report(reports_root(), dag_id, path)
         if found is None:
-            raise HTTPException(404, f"no report file {path!r} for {dag_id}")
+            raise not_found()
         return FileResponse(found)
 
     @app.get("/slurm/jobs/{job_id}", response_class=HTMLResponse, dependencies=[Depends(requires_authenticated())])
     def slurm_job(job_id: str):
-        if not JOB_ID.match(job_id):
+        if not is_job_id(job_id):
             raise HTTPException(400, "job_id must be a Slurm job id such as 1234 or 1234_5")
         return HTMLResponse(f"<!doctype html><html><body>{slurm_job_page(job_id)}</body></html>")
 
