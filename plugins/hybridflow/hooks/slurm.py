@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
+from airflow.providers.common.compat.connection import get_async_connection
 from airflow.providers.ssh.hooks.ssh import SSHHook, SSHHookAsync
 from airflow.sdk import BaseHook
 
@@ -39,8 +41,9 @@ class SlurmHook(BaseHook):
     Runs Slurm commands on the cluster's login node over the ``ssh`` connection.
 
     Every command is an argv list, quoted with :func:`shlex.join` (the remote shell re-parses the line), and
-    data such as batch scripts goes on stdin. Host keys are verified against the connection's ``host_key``
-    extra; a connection that disables the check is refused.
+    data such as batch scripts goes on stdin. The connection's ``host_key`` extra is the only host key trusted: a
+    connection without one, or one that disables the check, is refused before anything is sent (see
+    :func:`pinned_host_key`).
 
     :param ssh_conn_id: Airflow connection of type ``ssh`` to the login node.
     :param conn_retry_attempts: SSH connection attempts before giving up.
@@ -59,13 +62,10 @@ class SlurmHook(BaseHook):
 
     @cached_property
     def ssh_hook(self) -> SSHHook:
-        hook = SSHHook(ssh_conn_id=self.ssh_conn_id, conn_retry_attempts=self.conn_retry_attempts)
-        if hook.no_host_key_check or hook.allow_host_key_change:
-            raise SlurmConnectionError(
-                f"connection {self.ssh_conn_id!r} disables host key verification; remove 'no_host_key_check' and "
-                "'allow_host_key_change' from its extra and set 'host_key' to the login node's public host key"
-            )
-        return hook
+        # Checked on the extras before the provider's hook is built: it would otherwise fall back to
+        # ~/.ssh/known_hosts, or skip the check, without a word.
+        pinned_host_key(self.ssh_conn_id, self.get_connection(self.ssh_conn_id).extra_dejson)
+        return SSHHook(ssh_conn_id=self.ssh_conn_id, conn_retry_attempts=self.conn_retry_attempts)
 
     @property
     def endpoint(self) -> str:
@@ -77,6 +77,14 @@ class SlurmHook(BaseHook):
         try:
             client = self.ssh_hook.get_conn()
         except paramiko.BadHostKeyException as exc:
+            if _same_key(exc.key, self.ssh_hook.host_key):
+                # paramiko checks ~/.ssh/known_hosts before the pin: here the server proved the pinned key.
+                entry = _known_hosts_pattern(self.ssh_hook.remote_host, self.ssh_hook.port)
+                raise SlurmConnectionError(
+                    f"~/.ssh/known_hosts of the Airflow user holds another key for {self.endpoint} than the "
+                    f"'host_key' of connection {self.ssh_conn_id!r}, which the server proved it holds; remove that "
+                    f"stale entry (ssh-keygen -R '{entry}')"
+                ) from exc
             raise SlurmConnectionError(
                 f"host key of {self.endpoint} does NOT match the 'host_key' of connection {self.ssh_conn_id!r} "
                 f"(got {exc.key.get_name()} {exc.key.get_base64()[:16]}...). Do not connect until you know why: "
@@ -99,13 +107,16 @@ class SlurmHook(BaseHook):
 
     def _check_pinned_host_key(self, client) -> None:
         """The connection's ``host_key`` is the only key trusted. paramiko prefers ~/.ssh/known_hosts over it, so
-        a stale or planted entry there would otherwise win: compare what the server proved it holds."""
+        a stale or planted entry there would otherwise win: compare what the server proved it holds, before any
+        command runs. No pin at all is refused too (``ssh_hook`` already did; this keeps the check unskippable)."""
         pinned = self.ssh_hook.host_key
         served = client.get_transport().get_remote_server_key()
-        if pinned is None or (served.get_name(), served.asbytes()) == (pinned.get_name(), pinned.asbytes()):
+        if pinned is not None and _same_key(served, pinned):
             return
         client.close()
         self.ssh_hook.client = None
+        if pinned is None:
+            raise SlurmConnectionError(_no_pin_message(self.ssh_conn_id, "has no 'host_key' extra"))
         raise SlurmConnectionError(
             f"host key of {self.endpoint} does NOT match the 'host_key' of connection {self.ssh_conn_id!r} (server "
             f"proved {served.get_name()} {served.get_base64()[:16]}..., connection pins {pinned.get_name()} "
@@ -211,10 +222,16 @@ class SlurmAsyncHook:
             import asyncssh
 
             try:
-                self._conn = await _PortAwareSSHHookAsync(ssh_conn_id=self.ssh_conn_id).get_conn()
-            except (asyncssh.HostKeyNotVerifiable, asyncssh.PermissionDenied) as exc:
+                self._conn = await _PinnedSSHHookAsync(ssh_conn_id=self.ssh_conn_id).get_conn()
+            except asyncssh.HostKeyNotVerifiable as exc:
                 raise SlurmConnectionError(
-                    f"SSH to connection {self.ssh_conn_id!r} refused: {exc}; check the 'host_key' extra and the key"
+                    f"host key of the login node of connection {self.ssh_conn_id!r} does NOT match its 'host_key' "
+                    f"extra ({exc}). Do not connect until you know why: if the server was re-keyed on purpose, put "
+                    "its new public key in the 'host_key' extra"
+                ) from exc
+            except asyncssh.PermissionDenied as exc:
+                raise SlurmConnectionError(
+                    f"login to connection {self.ssh_conn_id!r} refused ({exc}); check its user and key file"
                 ) from exc
             except (OSError, asyncssh.Error) as exc:
                 raise SlurmConnectionLost(f"cannot reach connection {self.ssh_conn_id!r}: {exc}") from exc
@@ -251,22 +268,67 @@ class SlurmAsyncHook:
             self._conn = None
 
 
+# Extras with which the ssh provider's hooks skip or loosen host key verification.
+_DISABLING_EXTRAS = ("no_host_key_check", "ignore_hostkey_verification", "allow_host_key_change")
+
+
+def pinned_host_key(conn_id: str, extra: Mapping[str, Any]) -> str:
+    """The connection's pinned host key as ``"<type> <base64>"``; raises :class:`SlurmConnectionError` otherwise.
+
+    Both hooks call this before they open a socket: without a pin the ssh provider's hooks trust whatever
+    ~/.ssh/known_hosts lists, and the extras in ``_DISABLING_EXTRAS`` or ``known_hosts: none`` skip the check.
+    """
+    disabling = [f"{name}: true" for name in _DISABLING_EXTRAS if str(extra.get(name, "")).strip().lower() == "true"]
+    if str(extra.get("known_hosts", "")).strip().lower() == "none":
+        disabling.append("known_hosts: none")
+    if disabling:
+        raise SlurmConnectionError(
+            f"connection {conn_id!r} disables host key verification ({', '.join(disabling)}); remove it from the "
+            "extra and set its 'host_key' extra to the login node's public host key"
+        )
+    host_key = extra.get("host_key")
+    parts = host_key.split() if isinstance(host_key, str) else []
+    if len(parts) < 2:
+        what = "has no 'host_key' extra" if not parts else f"has a 'host_key' extra without key data ({host_key!r})"
+        raise SlurmConnectionError(_no_pin_message(conn_id, what))
+    return f"{parts[0]} {parts[1]}"
+
+
+def _no_pin_message(conn_id: str, what: str) -> str:
+    return (
+        f"connection {conn_id!r} {what}, and nothing else is trusted in its place (not ~/.ssh/known_hosts): set "
+        "its 'host_key' extra to the login node's public host key, '<type> <base64>' as in the node's "
+        "/etc/ssh/ssh_host_ed25519_key.pub, verified out of band (not just taken from ssh-keyscan)"
+    )
+
+
+def _same_key(a, b) -> bool:
+    """Two paramiko keys are the same key (the public blob names the type too)."""
+    return a is not None and b is not None and a.asbytes() == b.asbytes()
+
+
+def _known_hosts_pattern(host: str, port: int) -> str:
+    """How OpenSSH names the host in known_hosts: non-22 ports as [host]:port."""
+    return host if port == 22 else f"[{host}]:{port}"
+
+
 def _port_aware_known_hosts(host: str, port: int, host_key: str) -> bytes:
-    """One known_hosts line for the connection's host key; OpenSSH writes non-22 ports as [host]:port."""
-    pattern = host if port == 22 else f"[{host}]:{port}"
-    return f"{pattern} {' '.join(host_key.split()[:2])}\n".encode()
+    """One known_hosts line for the connection's host key, matched against its real port."""
+    return f"{_known_hosts_pattern(host, port)} {' '.join(host_key.split()[:2])}\n".encode()
 
 
-class _PortAwareSSHHookAsync(SSHHookAsync):
-    """The provider's async hook, matching a ``host_key`` extra against the connection's real port."""
+class _PinnedSSHHookAsync(SSHHookAsync):
+    """The provider's async hook, trusting only the connection's ``host_key``, matched against its real port."""
+
+    async def _get_conn(self):
+        # The provider parses no extras for a connection without any, then trusts ~/.ssh/known_hosts: check the
+        # pin here, before it connects.
+        conn = await get_async_connection(self.ssh_conn_id)
+        pinned_host_key(self.ssh_conn_id, conn.extra_dejson)
+        return await super()._get_conn()
 
     def _parse_extras(self, conn) -> None:
-        extra = conn.extra_dejson
-        if str(extra.get("no_host_key_check", "false")).lower() == "true":
-            raise SlurmConnectionError(
-                f"connection {self.ssh_conn_id!r} disables host key verification; remove 'no_host_key_check'"
-            )
+        host_key = pinned_host_key(self.ssh_conn_id, conn.extra_dejson)
         super()._parse_extras(conn)
-        if extra.get("host_key"):
-            self.known_hosts = _port_aware_known_hosts(self.host or conn.host, self.port or conn.port or 22,
-                                                       extra["host_key"])
+        # Whatever the extras chose (a known_hosts file, the host without its port), the pin alone is trusted.
+        self.known_hosts = _port_aware_known_hosts(self.host or conn.host, self.port or conn.port or 22, host_key)
