@@ -15,6 +15,7 @@ from airflow.sdk import DAG, Param, task
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.params import integer, strict_params, text
 from hybridflow.preflight import preflight_result_path
 
 config = pipeline_config()
@@ -27,16 +28,16 @@ with DAG(
     default_args=DEFAULT_ARGS,
     tags=["platform", "gpu", "preflight"],
     doc_md=__doc__,
-    params={
-        "nodes": Param(config.preflight.nodes, type="integer", minimum=1, maximum=64,
+    params=strict_params({
+        "nodes": Param(config.preflight.nodes, **integer(1, 64),
                        description="Nodes, as the training run to clear will use."),
-        "gpus_per_node": Param(config.preflight.ranks_per_node, type="integer", minimum=1, maximum=8,
+        "gpus_per_node": Param(config.preflight.ranks_per_node, **integer(1, 8),
                                description="GPUs (ranks) per node, as the training run will use; nodes x "
                                            "gpus_per_node must be at least 2."),
-        "hidden_sizes": Param("128,64", type="string", pattern=r"^[1-9][0-9]{0,5}(,[1-9][0-9]{0,5}){0,7}$",
+        "hidden_sizes": Param("128,64", **text(r"[1-9][0-9]{0,5}(,[1-9][0-9]{0,5}){0,7}"),
                               description="Hidden widths of the model whose gradients are all-reduced, e.g. "
                                           "4096,4096,2048,1024 for the production preset."),
-    },
+    }),
 ):
     benchmark = SlurmSubmitOperator(
         task_id="allreduce_benchmark",

@@ -30,6 +30,7 @@ from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator
 from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
+from hybridflow.params import integer, strict_params
 from hybridflow.paths import jobs_dir
 from hybridflow.sensors.checkpoint import CheckpointSensor
 from hybridflow.sensors.slurm import SlurmCapacitySensor
@@ -60,7 +61,7 @@ with DAG(
     default_args=DEFAULT_ARGS,
     tags=["pipeline", "training", "gpu", "spark", "serving"],
     doc_md=__doc__,
-    params={
+    params=strict_params({
         "train": Param("auto", type="string", enum=["auto", "always", "never"],
                        description="auto: train on scheduled and manual runs, not in backfills; always; never."),
         "deploy": Param("auto", type="string", enum=["auto", "always", "never"],
@@ -68,18 +69,18 @@ with DAG(
                                     "record (never in backfills); always: redeploy the model of record; never."),
         "model_preset": Param(cfg.model_preset, type="string", enum=["tiny", "small", "large"],
                               description="Network size from include/config/model_presets.json."),
-        "nodes": Param(cfg.nodes, type="integer", minimum=1, maximum=64,
+        "nodes": Param(cfg.nodes, **integer(1, 64),
                        description="Nodes for the training job (data-parallel across nodes)."),
-        "gpus": Param(cfg.gpus, type="integer", minimum=1, maximum=8,
+        "gpus": Param(cfg.gpus, **integer(1, 8),
                       description="GPUs per node; one DeepSpeed rank per GPU (nodes x gpus ranks in all)."),
-        "epochs": Param(cfg.epochs, type="integer", minimum=1, maximum=100,
+        "epochs": Param(cfg.epochs, **integer(1, 100),
                         description="Training epochs over the window (max_steps ends training earlier)."),
-        "max_steps": Param(cfg.max_steps, type="integer", minimum=1, maximum=1_000_000,
+        "max_steps": Param(cfg.max_steps, **integer(1, 1_000_000),
                            description="Upper bound on optimizer steps."),
-        "train_window_days": Param(cfg.train_window_days, type="integer", minimum=1, maximum=90,
+        "train_window_days": Param(cfg.train_window_days, **integer(1, 90),
                                    description="Days of published features, ending at the run's date, to train on."),
         "dry_run": Param(False, type="boolean", description="Plan the run and log it; run nothing."),
-    },
+    }),
 ) as dag:
 
     @task(retries=0)  # a decision from params: a retry would decide the same

@@ -14,11 +14,13 @@ from airflow.sdk import DAG, Param
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.triton import TritonRollbackOperator, TritonRollbackPlanOperator, serving_kwargs
+from hybridflow.params import integer, strict_params, text
 from hybridflow.utils.triton import MODEL_NAME_PATTERN
 
 serving = pipeline_config().serving
 served = {**serving_kwargs(serving), "model_name": "{{ params.model_name }}"}
 PLAN = "{{ ti.xcom_pull(task_ids='plan')"
+MAX_VERSION = 2**31 - 1  # far above any real version, far below the 64-bit ints the task runner can carry
 
 with DAG(
     dag_id="oncall_rollback_model",
@@ -28,13 +30,13 @@ with DAG(
     default_args=DEFAULT_ARGS,
     tags=["on-call", "serving", "triton"],
     doc_md=__doc__,
-    params={
-        "model_name": Param(serving.model_name, type="string", pattern=MODEL_NAME_PATTERN,
+    params=strict_params({
+        "model_name": Param(serving.model_name, **text(MODEL_NAME_PATTERN),
                             description="The Triton model to roll back (letters, digits, '_', '.', '-')."),
-        "version": Param(0, type="integer", minimum=0,
+        "version": Param(0, **integer(0, MAX_VERSION),
                          description="The version to restore; 0 restores the version promoted before the one "
                                      "serving now."),
-    },
+    }),
 ):
     # The target is resolved once, so a retry of the rollback cannot walk back one version more.
     plan = TritonRollbackPlanOperator(task_id="plan", **served, version="{{ params.version }}")

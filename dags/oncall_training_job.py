@@ -17,8 +17,13 @@ from __future__ import annotations
 from airflow.sdk import DAG, Param, task
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
+from hybridflow.params import strict_params, text
 
 ssh_conn_id = pipeline_config().cluster.ssh_conn_id
+# Slurm job ids are 32-bit, array task ids at most 4000000; no leading zeros.
+JOB_ID = r"[1-9][0-9]{0,9}(_(0|[1-9][0-9]{0,6}))?"
+# One line of printable text that starts and ends with a visible character (no control characters).
+ONE_LINE = r"[^\x00-\x20\x7f]([^\x00-\x1f\x7f]*[^\x00-\x20\x7f])?"
 
 with DAG(
     dag_id="oncall_training_job",
@@ -27,8 +32,8 @@ with DAG(
     default_args=DEFAULT_ARGS,
     tags=["on-call", "training", "gpu"],
     doc_md=__doc__,
-    params={
-        "job_id": Param(type="string", pattern=r"^[0-9]+(_[0-9]+)?$",
+    params=strict_params({
+        "job_id": Param(**text(JOB_ID),
                         description="The Slurm job id (from the alert or the training task's log), e.g. "
                                     "4242, or 4242_3 for an array task."),
         "action": Param("cancel", type="string", enum=["cancel", "requeue"],
@@ -36,9 +41,10 @@ with DAG(
                                         "requeue": "requeue: back to the queue; resumes from its checkpoint"},
                         description="cancel ends the job (CANCELLED); requeue sends a running job back to "
                                     "the queue."),
-        "reason": Param(type="string", minLength=1, maxLength=500,
-                        description="Why (recorded in the task log with the before and after states)."),
-    },
+        "reason": Param(**text(ONE_LINE, maxLength=500),
+                        description="Why, in one line (recorded in the task log with the before and after "
+                                    "states)."),
+    }),
 ):
 
     @task

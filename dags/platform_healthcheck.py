@@ -13,6 +13,7 @@ from airflow.sdk import DAG, Param, task
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.params import strict_params, text
 
 config = pipeline_config()
 # The job prints where it ran and, last, when it ended (the trigger_latency benchmark reads that line).
@@ -25,13 +26,13 @@ with DAG(
     default_args=DEFAULT_ARGS,
     tags=["platform", "on-call"],
     doc_md=__doc__,
-    params={
-        "partition": Param(config.cluster.partition, type="string", pattern=r"^[A-Za-z0-9_-]{1,64}$",
+    params=strict_params({
+        "partition": Param(config.cluster.partition, **text(r"[A-Za-z0-9_-]{1,64}"),
                            description="Slurm partition that must be up and declare GPUs."),
         "run_spark": Param(True, type="boolean", description="Also spark-submit the probe job."),
         "spark_conn_id": Param("spark_default", type="string", enum=["spark_default", "spark_standalone"],
                                description="Spark connection to submit the probe job to."),
-    },
+    }),
 ):
 
     @task

@@ -13,6 +13,7 @@ from airflow.sdk import DAG, Param
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.params import integer, strict_params
 
 config = pipeline_config()
 
@@ -24,10 +25,9 @@ with DAG(
     default_args=DEFAULT_ARGS,
     tags=["test"],
     doc_md=__doc__,
-    params={
-        "sleep_s": Param(120, type="integer", minimum=1, maximum=600,
-                         description="How long the Slurm job sleeps, in seconds."),
-    },
+    params=strict_params({
+        "sleep_s": Param(120, **integer(1, 600), description="How long the Slurm job sleeps, in seconds."),
+    }),
 ):
     SlurmSubmitOperator(
         task_id="sleep_job",

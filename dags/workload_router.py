@@ -27,6 +27,7 @@ from airflow.sdk import DAG, Param, task
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.params import closed_object, number, strict_params, workload_config
 from hybridflow.utils.routing import PROFILE_METRICS, routing_rules
 
 config = pipeline_config()
@@ -39,6 +40,7 @@ SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
 CONFIG_FIELDS = "; ".join(
     f"{name}: {', '.join(f.describe() for f in workload.fields.values()) or 'none'}"
     for name, workload in rules.workloads.items())
+MAX_FIGURE = 1e12  # rows, ms, FLOPs per byte or a speedup: a larger figure is a typo (and 1e400 is infinity)
 
 with DAG(
     dag_id="workload_router",
@@ -47,21 +49,21 @@ with DAG(
     default_args=DEFAULT_ARGS,
     tags=["router", "cpu", "gpu", "spark", "on-call"],
     doc_md=__doc__,
-    params={
+    params=strict_params({
         "workload_type": Param(
             rules.workload_types[0], type="string", enum=list(rules.workload_types),
+            maxLength=64,  # bounds the value even where the enum is bypassed (the route task then refuses it)
             values_display={name: f"{name}: {w.description}" for name, w in rules.workloads.items()},
             description="What kind of work this is; include/config/routing.yaml routes each type to a side."),
-        "config": Param({}, type="object",
+        "config": Param({}, **workload_config(rules.workloads.values()),
                         description="Settings of the workload; only these fields are accepted. "
                                     + CONFIG_FIELDS),
-        "profile": Param({}, type="object", additionalProperties=False,
-                         properties={m: {"type": "number", "minimum": 0, "description": d}
-                                     for m, d in PROFILE_METRICS.items()},
+        "profile": Param({}, **closed_object({m: number(0, MAX_FIGURE, description=d)
+                                              for m, d in PROFILE_METRICS.items()}),
                          description="Optional measured figures that can move the workload to the other "
                                      "side: " + "; ".join(f"{m}: {d}" for m, d in PROFILE_METRICS.items())),
         "dry_run": Param(False, type="boolean", description="Route and log the decision; run nothing."),
-    },
+    }),
 ):
 
     @task(multiple_outputs=True)

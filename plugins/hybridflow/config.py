@@ -171,7 +171,7 @@ class ServingConfig:
     def validate(self, where: str) -> None:
         from hybridflow.utils.triton import BACKENDS, MODEL_NAME_RE, Repository
 
-        if not MODEL_NAME_RE.match(self.model_name):
+        if not MODEL_NAME_RE.fullmatch(self.model_name):
             raise ConfigError(f"{where}.model_name: {self.model_name!r}; use letters, digits, '_', '.', '-'")
         try:
             Repository.parse(self.repository)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +38,7 @@ print(json.dumps({{
     "dags": {{d.dag_id: {{
         "tags": sorted(d.tags), "fileloc": d.fileloc, "doc_md": bool(d.doc_md),
         "params": {{k: dict(p.schema, description=p.description) for k, p in d.params.items()}},
+        "defaults": {{k: p.value for k, p in d.params.items() if p.has_value}},
         "tasks": {{t.task_id: {{"owner": t.owner, "retries": t.retries}} for t in d.tasks}},
     }} for d in bag.dags.values()}},
 }}))
@@ -42,8 +46,6 @@ print(json.dumps({{
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(tmp), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    import json
-
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -84,6 +86,51 @@ def test_dag_params_have_descriptions(dagbag):
     missing = [f"{dag_id}.{name}" for dag_id, dag in dagbag["dags"].items()
                for name, schema in dag["params"].items() if not schema.get("description")]
     assert missing == []
+
+
+def test_dag_params_refuse_bad_values_at_trigger_time(dagbag):
+    """The api-server checks a trigger against these schemas alone: draft-04 (an int is an int), bounded
+    numbers, full-match patterns, closed objects (hybridflow.params.strict_params)."""
+    from hybridflow.params import DRAFT4, schema_problems
+
+    problems = [f"{dag_id}.{name}: $schema is {schema.get('$schema')!r}; use strict_params()"
+                for dag_id, dag in dagbag["dags"].items() for name, schema in dag["params"].items()
+                if schema.get("$schema") != DRAFT4]
+    problems += [p for dag_id, dag in dagbag["dags"].items() for name, schema in dag["params"].items()
+                 for p in schema_problems(schema, f"{dag_id}.{name}")]
+    assert problems == []
+
+
+def patterns(schema) -> list[str]:
+    """Every pattern in a schema, nested ones included."""
+    found = [schema["pattern"]] if isinstance(schema, dict) and "pattern" in schema else []
+    children = schema.values() if isinstance(schema, dict) else schema if isinstance(schema, list) else ()
+    return found + [p for child in children for p in patterns(child)]
+
+
+def test_dag_param_patterns_mean_the_same_in_javascript(dagbag):
+    """The UI checks a pattern with JavaScript's RegExp (unicode mode), the api-server with Python's re.search:
+    the same verdicts on each param's default and its whitespace and newline variants."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    cases = []
+    for dag_id, dag in dagbag["dags"].items():
+        for name, schema in dag["params"].items():
+            default = dag["defaults"].get(name)
+            base = default if isinstance(default, str) else "x1"
+            samples = [base, base + "\n", "\n" + base, " " + base, base + " ", base + "\r", "", "\n", "\t"]
+            cases += [(f"{dag_id}.{name}", p, samples) for p in patterns(schema)]
+    assert cases, "no param patterns found"
+    script = ("const cases = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+              "console.log(JSON.stringify(cases.map(([, p, ss]) => ss.map(s => new RegExp(p, 'u').test(s)))));")
+    out = subprocess.run([node, "-e", script], input=json.dumps(cases), capture_output=True, text=True,
+                         timeout=60, check=True)
+    differ = [(where, sample) for (where, p, samples), js in zip(cases, json.loads(out.stdout), strict=True)
+              for sample, verdict in zip(samples, js, strict=True) if bool(re.search(p, sample)) != verdict]
+    assert differ == []
+    newline_accepted = [where for where, p, samples in cases if re.search(p, samples[1])]
+    assert newline_accepted == []
 
 
 @pytest.mark.parametrize("dag_file", DAG_FILES, ids=lambda p: p.name)

@@ -124,4 +124,4 @@ def test_oncall_job_id_that_is_not_a_slurm_id_is_refused_by_the_trigger_form(iso
     argv = [sys.executable, str(RUNNER), str(dag_file), DAG_ID, json.dumps(conf(job_id, "cancel"))]
     out = subprocess.run(argv, env=isolated_airflow_env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "RESULT " not in out.stdout
-    assert "does not match" in out.stderr and "^[0-9]+(_[0-9]+)?$" in out.stderr
+    assert "does not match" in out.stderr and "param job_id" in out.stderr

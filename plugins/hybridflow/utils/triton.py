@@ -47,7 +47,7 @@ class ModelConfigSpec:
     versions: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if not MODEL_NAME_RE.match(self.name):
+        if not MODEL_NAME_RE.fullmatch(self.name):
             raise ConfigError(f"name {self.name!r}: use letters, digits, '_', '.', '-' (at most 128)")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -75,7 +75,7 @@ def python_backend_source() -> str:
 
 
 def check_model_name(name: str, field_name: str = "model_name") -> str:
-    if not isinstance(name, str) or not MODEL_NAME_RE.match(name):
+    if not isinstance(name, str) or not MODEL_NAME_RE.fullmatch(name):
         raise ConfigError(f"{field_name} {name!r}: use letters, digits, '_', '.', '-' (at most 128, not "
                           "starting with a symbol)")
     return name
