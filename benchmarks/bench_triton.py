@@ -11,6 +11,8 @@ Client: tritonclient on the same 2 cores as the server, binary tensors, the requ
 - aio: the asyncio clients with ``AIO_CONCURRENCY`` requests in flight (the deploy's latency gate's client):
   HTTP bs1 req/s, HTTP and gRPC bs64 rows/s (dynamic batching merges the requests queued meanwhile);
 - inprocess: the same model.pt with torch.jit.load, 1 thread (the server's setting), bs1 and bs64.
+- http_direct: the same HTTP requests straight to tritonserver's own port, bypassing the guard (jobs/tritonguard)
+  that fronts Triton's public HTTP port: ``guard_overhead_bs1_p50_ms`` is what the guard's checks and hop cost.
 Ratios: in-process rows/s over served rows/s at bs64 (how much the network path costs).
 Targets (shared/notes/local-triton.md, the bundled binary here): HTTP bs1 p50 <= 0.55 ms, p99 <= 0.73 ms,
 HTTP bs64 >= 126k rows/s, gRPC bs64 >= 78k rows/s (gRPC bs1 p99 <= 1.21 ms).
@@ -107,9 +109,16 @@ def sequential(call, requests: int) -> tuple[list[float], float]:
     return latencies, time.perf_counter() - started
 
 
+def upstream_url() -> str:
+    """tritonserver's own HTTP endpoint behind the guard (the local profile's loopback port)."""
+    profile = json.loads(Path(os.environ.get("HYBRIDFLOW_PROFILE", REPO / "include/profiles/local.json")).read_text())
+    stack = profile["stack"]
+    return f"127.0.0.1:{stack.get('triton_upstream_http_port', stack['triton_http_port'] + 10)}"
+
+
 def served(name: str, url: str, protocol: str, batch) -> callable:
     """One prepared request; the call sends it and reads the output (binary tensors on HTTP)."""
-    if protocol == "http":
+    if protocol in ("http", "http_direct"):
         import tritonclient.http as module
 
         client = module.InferenceServerClient(url)
@@ -154,7 +163,7 @@ def main() -> dict:
             figures["deploy"] = {k: report[k] for k in ("version", "promoted", "load_s", "smoke", "latency")}
             print(f"deployed {name} version {report['version']}: load {report['load_s']} s, gate "
                   f"p99 {report['latency']['p99_ms']} ms", flush=True)
-            for protocol, url in (("http", hook.http_url), ("grpc", hook.grpc_url)):
+            for protocol, url in (("http", hook.http_url), ("http_direct", upstream_url()), ("grpc", hook.grpc_url)):
                 call = served(name, url, protocol, bs1)
                 np.testing.assert_allclose(call(), torch.jit.load(str(export_dir / "model.pt"))(
                     torch.from_numpy(bs1)).detach().numpy(), atol=1e-5)
@@ -197,8 +206,10 @@ def main() -> dict:
     inprocess = figures["inprocess_bs64_rows_per_s"]
     figures["inprocess_over_http_bs64"] = round(inprocess / figures["http_bs64_rows_per_s"], 1)
     figures["inprocess_over_grpc_bs64"] = round(inprocess / figures["grpc_bs64_rows_per_s"], 1)
+    figures["guard_overhead_bs1_p50_ms"] = round(figures["http_bs1_p50_ms"] - figures["http_direct_bs1_p50_ms"], 3)
     figures["http_over_inprocess_bs1_p50"] = round(figures["http_bs1_p50_ms"] / figures["inprocess_bs1_p50_ms"], 1)
-    keys = ("http_bs1_p50_ms", "http_bs1_p99_ms", "grpc_bs1_p50_ms", "grpc_bs1_p99_ms", "http_bs64_rows_per_s",
+    keys = ("http_bs1_p50_ms", "http_bs1_p99_ms", "http_direct_bs1_p50_ms", "http_direct_bs64_rows_per_s",
+            "guard_overhead_bs1_p50_ms", "grpc_bs1_p50_ms", "grpc_bs1_p99_ms", "http_bs64_rows_per_s",
             "grpc_bs64_rows_per_s", "inprocess_bs1_p50_ms", "inprocess_bs64_rows_per_s", "http_aio_bs1_req_per_s",
             "http_aio_bs64_rows_per_s", "grpc_aio_bs64_rows_per_s",
             "inprocess_over_http_bs64", "inprocess_over_grpc_bs64")

@@ -146,13 +146,25 @@ def slurmd_port(node: str) -> int:
     return SLURMD_BASE_PORT + SLURM_NODES.index(node)
 
 
+def write_new_file(path: Path, text: str, mode: int) -> None:
+    """Write ``path`` (through a temporary file, replaced at once) with ``mode`` from its first byte: a secret
+    is never readable by others, not even between creation and a chmod."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        os.fchmod(fd, mode)  # O_CREAT's mode is masked by the umask; the file exists only with our mode anyway
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+
+
 def secret(name: str, where: Path, nbytes: int = 24, make: Callable[[int], str] = secrets.token_urlsafe) -> str:
-    """A generated secret, created once and kept in a 0600 file (never in the repo)."""
+    """A generated secret, created once in a 0600 file in a 0700 directory (never in the repo)."""
     path = where / name
     if not path.exists():
         where.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.write_text(make(nbytes))
-        path.chmod(0o600)
+        write_new_file(path, make(nbytes), 0o600)
     return path.read_text().strip()
 
 
@@ -172,11 +184,7 @@ def write_if_changed(path: Path, text: str, mode: int = 0o644, owner: str = "roo
     changed = not path.exists() or path.read_text() != text
     if changed:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.chmod(mode)
-        chown(tmp, owner)
-        tmp.replace(path)
+        write_new_file(path, text, mode)
     path.chmod(mode)
     chown(path, owner)
     return changed
@@ -796,12 +804,19 @@ def triton_ready() -> bool:
     return http_ok(f"http://127.0.0.1:{STACK['triton_http_port']}/v2/health/ready")
 
 
+def triton_upstream_port() -> int:
+    return int(STACK.get("triton_upstream_http_port", STACK["triton_http_port"] + 10))
+
+
 def start_triton() -> int:
+    """The guard (jobs/tritonguard) on Triton's public HTTP port, supervising tritonserver on a loopback port
+    of its own: a hostile infer request gets a 4xx from the guard, and a dead server is started again."""
     backends = triton_backend_dir()
     binary = pytriton_dir() / "tritonserver/bin/tritonserver"
-    cmd = [
+    upstream = triton_upstream_port()
+    server = [
         str(binary), f"--model-repository={P.storage / 'model-repository'}", "--model-control-mode=explicit",
-        "--http-address=127.0.0.1", f"--http-port={STACK['triton_http_port']}",
+        "--http-address=127.0.0.1", f"--http-port={upstream}",
         "--grpc-address=127.0.0.1", f"--grpc-port={STACK['triton_grpc_port']}",
         "--metrics-address=127.0.0.1", f"--metrics-port={STACK['triton_metrics_port']}",
         f"--backend-directory={backends}", "--exit-timeout-secs=10", "--log-verbose=0",
@@ -813,7 +828,10 @@ def start_triton() -> int:
         "--load-model=*", "--exit-on-error=false",
         f"--backend-config=python,shm-region-prefix-name=hybridflow{STACK['triton_http_port']}",
     ]
-    return spawn(cmd, P.logs / "triton.log", env=triton_env())
+    guard = [str(SERVING_VENV / "bin/python"), "-m", "tritonguard",
+             f"--listen=127.0.0.1:{STACK['triton_http_port']}", f"--upstream=http://127.0.0.1:{upstream}"]
+    env = dict(triton_env(), PYTHONPATH=str(REPO / "jobs"))
+    return spawn([*guard, "--", *server], P.logs / "triton.log", env=env)
 
 
 # ---------------------------------------------------------------------------------------------- s3 endpoint
@@ -898,6 +916,8 @@ def airflow_env() -> dict[str, str]:
         "HYBRIDFLOW_CLUSTER_JOBS_DIR": str(P.cluster_code / "jobs"),
         "HYBRIDFLOW_STATE_DIR": str(STATE),
         "PYSPARK_PYTHON": str(VENV / "bin/python"),
+        # Spark drivers that tasks launch (spark-submit, client mode) bind their ports and UI to loopback.
+        "SPARK_LOCAL_IP": "127.0.0.1",
         # No upstream producer here: the nightly pipeline generates the day's raw events itself.
         "HYBRIDFLOW_SIMULATE_RAW": "true",
         # Loopback gloo on 2 shared cores spends ~30% of a small model's step in all-reduce (pipeline.yaml).
@@ -989,7 +1009,7 @@ def services() -> list[Service]:
                 endpoint=f"spark://127.0.0.1:{STACK['spark_master_port']}", logfile=P.logs / "spark-master.log"),
         Service("spark-worker", spark_worker_ready, start_spark_worker, comm="java",
                 endpoint=f"http://127.0.0.1:{STACK['spark_worker_ui_port']}", logfile=P.logs / "spark-worker.log"),
-        Service("triton", triton_ready, start_triton, comm="tritonserver", endpoint=f"http://127.0.0.1:{tp}",
+        Service("triton", triton_ready, start_triton, comm="python", endpoint=f"http://127.0.0.1:{tp}",
                 logfile=P.logs / "triton.log"),
         Service("s3", s3_ready, start_s3, comm="moto_server", endpoint=f"http://127.0.0.1:{STACK['s3_port']}",
                 logfile=P.logs / "s3.log"),
@@ -1010,6 +1030,8 @@ def services() -> list[Service]:
 
 # The one-node versions' slurmd service: only its pid file is still read (`up` and `down` stop that slurmd).
 LEGACY_SLURMD = Service("slurmd", lambda: False, lambda: None, comm="slurmd")
+# Triton as started before the guard: tritonserver itself on the public port, its pid in triton.pid.
+UNGUARDED_TRITON = Service("triton", lambda: False, lambda: None, comm="tritonserver")
 SLURM_SERVICES = ("slurmdbd", "slurmctld", "slurmd-")
 
 
@@ -1029,8 +1051,9 @@ def cmd_up(names: list[str]) -> int:
     if os.geteuid() != 0:
         sys.exit("localstack must run as root: it installs packages and starts Slurm daemons as their users")
     t0 = time.monotonic()
+    # Keys, passwords, tokens and the logs that could echo them: for root only.
     for d in (STATE, P.run_dir, P.logs):
-        ensure_dir(d)
+        ensure_dir(d, mode=0o700)
     ensure_packages()
     ensure_job_user()
     ensure_storage()
@@ -1045,6 +1068,10 @@ def cmd_up(names: list[str]) -> int:
         # Restarted on a changed configuration: the controller and every node come back, whatever was asked.
         wanted = {s.name for s in chosen}
         chosen = [s for s in services() if s.name in wanted or s.name == "slurmctld" or s.name.startswith("slurmd-")]
+    unguarded = UNGUARDED_TRITON.owned_pid() if any(s.name == "triton" for s in chosen) else None
+    if unguarded:
+        log("triton: replacing the server started without the guard")
+        stop_pid("triton", unguarded)
     pending: list[Service] = []
     env_digest = hashlib.sha256(json.dumps(airflow_env(), sort_keys=True).encode()).hexdigest()
     # Airflow's components are the slowest to start and need nothing from the cluster: start them first.
@@ -1059,6 +1086,11 @@ def cmd_up(names: list[str]) -> int:
         if not restart and svc.ready():
             note = "" if svc.owned_pid() else " (not started by this checkout; left alone by `down`)"
             log(f"{svc.name}: already up{note}")
+            continue
+        if svc.name == "triton" and port_open(STACK["triton_http_port"]):
+            # The guard answers but the server behind it is not ready: it is (re)starting under the guard.
+            log("triton: the guard is up and the server behind it is starting; waiting for it")
+            pending.append(svc)
             continue
         log(f"{svc.name}: starting")
         pid = svc.start()
@@ -1100,6 +1132,8 @@ def cmd_down(names: list[str]) -> int:
     chosen = by_name(names)
     if any(s.name.startswith("slurmd-") for s in chosen):
         chosen.append(LEGACY_SLURMD)  # a slurmd started by a one-node version (stopped first: reversed below)
+    if any(s.name == "triton" for s in chosen) and UNGUARDED_TRITON.owned_pid():
+        chosen = [s for s in chosen if s.name != "triton"] + [UNGUARDED_TRITON]  # started without the guard
     for svc in reversed(chosen):
         pid = svc.owned_pid()
         if pid is None:
@@ -1154,7 +1188,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("up", "down"):
             # One at a time: two concurrent `up`s (parallel test sessions) would each start a copy of a
             # service and leave one of them orphaned, its pid file overwritten.
-            ensure_dir(STATE)
+            ensure_dir(STATE, mode=0o700)
             with open(STATE / ".localstack.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 return cmd_up(args.services) if args.command == "up" else cmd_down(args.services)

@@ -42,6 +42,7 @@ REQUIRED_SERVICES = {
     "minio",
     "minio-init",
     "triton",
+    "triton-guard",
 }
 ONE_SHOT_SERVICES = {"airflow-init", "minio-init"}
 LONG_RUNNING_SERVICES = sorted(set(SERVICES) - ONE_SHOT_SERVICES)
@@ -363,6 +364,16 @@ def test_compose_triton_serves_explicit_model_repository():
     assert "--model-control-mode=explicit" in command
     assert "/v2/health/ready" in " ".join(map(str, triton["healthcheck"]["test"]))
     assert triton["image"].startswith("nvcr.io/nvidia/tritonserver:")
+
+
+def test_compose_triton_http_is_reached_only_through_the_guard():
+    guard, triton = SERVICES["triton-guard"], SERVICES["triton"]
+    assert "--upstream=http://triton:8000" in guard["command"]
+    assert any(str(p).endswith(":8000:8000") for p in guard["ports"])
+    assert not any(str(p).endswith(":8000") for p in triton.get("ports", []))
+    assert _connection("AIRFLOW_CONN_TRITON_DEFAULT")["host"] == "triton-guard"
+    assert guard["restart"] == triton["restart"] == "always"
+    assert guard["depends_on"]["triton"]["condition"] == "service_healthy"
 
 
 @pytest.mark.parametrize(

@@ -43,9 +43,19 @@ class ServerUnavailable(TritonError):
 
 
 def _unavailable(exc) -> bool:
-    """gRPC's UNAVAILABLE is the transport's (refused, reset) or a server shutting down ("Server exiting");
-    Triton answers a model that is missing or failed with NOT_FOUND, INVALID_ARGUMENT or INTERNAL."""
-    return exc.status() == "StatusCode.UNAVAILABLE"
+    """gRPC's UNAVAILABLE is the transport's (refused, reset) or a server shutting down ("Server exiting"); HTTP
+    503 is the guard in front of the server while it restarts. Triton answers a model that is missing or failed
+    with NOT_FOUND, INVALID_ARGUMENT or INTERNAL (HTTP 400)."""
+    status = getattr(exc, "status", None)
+    return (callable(status) and status() in ("StatusCode.UNAVAILABLE", "503")) or isinstance(exc, ConnectionError)
+
+
+def _unavailable_in_flight(exc: BaseException) -> bool:
+    """A request of the asyncio clients that met no server: refused, reset or cut (OSError, aiohttp's connection
+    errors), or the gRPC/HTTP status of a server restarting."""
+    import aiohttp
+
+    return isinstance(exc, (OSError, aiohttp.ClientConnectionError)) or _unavailable(exc)
 
 
 class TritonHook(BaseHook):
@@ -361,6 +371,7 @@ class TritonHook(BaseHook):
                    for i in range(0, len(cycled) - batch_size + 1, batch_size)]
         latencies: list[float] = []
         failures: list[str] = []
+        unavailable: list[str] = []
         next_request = iter(range(requests))
 
         def request_inputs(i: int):
@@ -380,6 +391,8 @@ class TritonHook(BaseHook):
                                        headers=self.headers or None)
                 except Exception as exc:  # every failure counts against the gate; the first few are logged
                     failures.append(repr(exc))
+                    if _unavailable_in_flight(exc):
+                        unavailable.append(repr(exc))
                     continue
                 latencies.append(time.perf_counter() - started)
 
@@ -391,6 +404,10 @@ class TritonHook(BaseHook):
             await client.close()
         for failure in failures[:3]:
             self.log.warning("latency load: request to %s version %s failed: %s", name, version, failure)
+        if unavailable:
+            # Requests that met no server say nothing about the version: the server restarted under the load.
+            raise ServerUnavailable(f"Triton at {self.url}: {len(unavailable)} of {requests} requests of the latency "
+                                    "load met no server (refused, cut or 503: restarting)")
         return summarize(latencies, wall, concurrency, failed=len(failures))
 
     def test_connection(self) -> tuple[bool, str]:
