@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from airflow_api import local_api  # noqa: E402
+from airflow_api import local_api, trigger  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -206,18 +206,59 @@ def is_loopback(address: str) -> bool:
     return address in ("127.0.0.1", "::1", "::ffff:127.0.0.1") or address.startswith("127.")
 
 
-def test_services_listen_on_loopback_only_except_slurmdbd():
+def comm(pid: int | None) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except (OSError, TypeError):
+        return "?"
+
+
+def exposed_listeners(before: set[tuple[str, int]]) -> tuple[list, list]:
+    """(every listener of a process the stack started or of its children, the non-loopback ones among all
+    listeners that were not there before the stack's snapshot)."""
     owners = service_pids()
-    ours = [(a, p, owners[pid]) for a, p, pid in listeners() if pid in owners]
-    exposed = sorted({(owner, a, p) for a, p, owner in ours if not is_loopback(a)})
-    unowned = sorted({(a, p) for a, p, pid in listeners() if pid not in owners and not is_loopback(a)})
-    print(f"RELIABILITY loopback_listeners service_sockets={len(ours)} "
-          f"loopback={sum(is_loopback(a) for a, _, _ in ours)} "
+    found = listeners()
+    ours = [(a, p, pid, owners[pid]) for a, p, pid in found if pid in owners]
+    # A listener of no pid file's tree (a daemon that forked away, a task's child re-parented) still counts
+    # unless it was already listening before this test looked: nothing new may take a non-loopback address.
+    stray = [(a, p, pid, comm(pid)) for a, p, pid in found
+             if pid not in owners and not is_loopback(a) and (a, p) not in before]
+    return ours, stray
+
+
+def test_services_and_task_launched_spark_drivers_listen_on_loopback_only_except_slurmdbd(api):
+    """Every socket of every process `make up` started and of every child, sampled while a DAG run launches a
+    Spark driver (spark-submit in client mode under the scheduler's LocalExecutor): 127.0.0.1 only."""
+    owners = service_pids()
+    before = {(a, p) for a, p, pid in listeners() if pid not in owners}
+    run_id = trigger(api, "platform_healthcheck", {"run_spark": True})
+    seen: dict[tuple, str] = {}
+    stray: dict[tuple, str] = {}
+    drivers = set()
+    deadline = time.monotonic() + 300
+    state = None
+    while time.monotonic() < deadline:
+        ours, new_stray = exposed_listeners(before)
+        for a, p, pid, owner in ours:
+            seen[(a, p, owner)] = comm(pid)
+            if owner.startswith("airflow") and comm(pid) == "java":
+                drivers.add((a, p))
+        stray.update({(a, p): c for a, p, _, c in new_stray})
+        state = api.get(f"/api/v2/dags/platform_healthcheck/dagRuns/{run_id}")["state"]
+        if state in ("success", "failed"):
+            break
+        time.sleep(0.3)
+    exposed = sorted((owner, a, p) for a, p, owner in seen if not is_loopback(a))
+    print(f"RELIABILITY loopback_listeners service_sockets={len(seen)} "
+          f"loopback={sum(is_loopback(a) for a, _, _ in seen)} spark_driver_sockets={len(drivers)} "
           f"non_loopback={','.join(f'{o}:{a}:{p}' for o, a, p in exposed) or 'none'} "
-          f"not_ours_non_loopback={','.join(f'{a}:{p}' for a, p in unowned) or 'none'}")
-    assert ours, "no listening socket mapped to a service pid file"
+          f"new_non_loopback_outside_the_stack={','.join(f'{c}:{a}:{p}' for (a, p), c in stray.items()) or 'none'}")
+    assert state == "success", f"platform_healthcheck run {run_id} ended {state}"
+    assert drivers, "no task-launched Spark driver socket was seen: the sample did not cover the driver"
+    assert all(is_loopback(a) for a, _ in drivers), drivers
     assert {p for _, _, p in exposed} <= SLURM_WILDCARD_PORTS, exposed
     assert {o for o, _, _ in exposed} <= {"slurmdbd"}, exposed
+    assert not stray, stray
 
 
 # --- 12b: unprivileged jobs ---------------------------------------------------------------------------------
@@ -235,6 +276,20 @@ def test_slurm_jobs_run_as_the_unprivileged_job_user(stack):
 
 
 # --- 12c: no secrets at rest ------------------------------------------------------------------------------
+
+
+def test_state_is_for_root_only_and_secret_files_are_0600(stack):
+    """Keys, tokens, passwords and logs live under .state: 0700 for root, and each secret file 0600 itself."""
+    assert STATE.stat().st_uid == 0 and STATE.stat().st_mode & 0o777 == 0o700
+    for sub in ("run", "logs", "secrets", "ssh", "airflow"):
+        assert (STATE / sub).stat().st_mode & 0o077 == 0, f"{STATE / sub} is open to group or others"
+    secret_files = [*(STATE / "secrets").iterdir(), STATE / "ssh" / "id_ed25519", STATE / "airflow-env.json",
+                    STATE / "airflow" / "passwords.json", STATE / "airflow" / "airflow.cfg",
+                    *Path(stack.get("HYBRIDFLOW_CLUSTER_DIR", "/var/lib/hybridflow"), "secrets").iterdir()]
+    wide = {str(p): oct(p.stat().st_mode & 0o777) for p in secret_files if p.stat().st_mode & 0o077}
+    print(f"RELIABILITY secret_files checked={len(secret_files)} open_to_others={len(wide)}")
+    assert not wide, wide
+
 
 def generated_secrets(stack: dict[str, str]) -> dict[str, str]:
     secrets = {f"secrets/{p.name}": p.read_text().strip()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -229,3 +230,47 @@ def test_localstack_node_names_resolve_to_loopback_once(localstack, hosts):
     assert localstack.hosts_with_nodes(written, nodes) == written  # idempotent
     assert [line for line in written.splitlines() if "gpu-node-" not in line] == [
         line for line in hosts.splitlines() if "gpu-node-" not in line]
+
+
+@pytest.fixture
+def open_umask():
+    """The most permissive umask: a file's mode must come from how it is created, not from the umask."""
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_secret_is_0600_from_its_first_byte(localstack, tmp_path, monkeypatch, open_umask):
+    # No chmod afterwards may be what makes it private: forbid every chmod that is not at creation.
+    monkeypatch.setattr(os, "chmod", lambda *a, **k: pytest.fail("secret made private only after creation"))
+    monkeypatch.setattr(Path, "chmod", lambda *a, **k: pytest.fail("secret made private only after creation"))
+    seen = []
+    value = localstack.secret("token", tmp_path / "secrets", make=lambda n: seen.append(n) or "s3cr3t")
+    path = tmp_path / "secrets" / "token"
+    assert value == "s3cr3t" and seen == [24]
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "secrets").stat().st_mode & 0o777 == 0o700
+    assert localstack.secret("token", tmp_path / "secrets", make=lambda n: "other") == "s3cr3t"  # created once
+    assert [p.name for p in (tmp_path / "secrets").iterdir()] == ["token"]  # no temporary file left
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o644, 0o400])
+def test_write_if_changed_creates_the_file_with_its_mode(localstack, tmp_path, monkeypatch, open_umask, mode):
+    monkeypatch.setattr(localstack, "chown", lambda path, owner: None)
+    created = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, flags, m=0o777, **k: created.append(m) or real_open(p, flags, m, **k))
+    path = tmp_path / "conf" / "airflow-env.json"
+    assert localstack.write_if_changed(path, '{"k": 1}', mode=mode)
+    assert created == [mode] and path.stat().st_mode & 0o777 == mode and path.read_text() == '{"k": 1}'
+    assert not localstack.write_if_changed(path, '{"k": 1}', mode=mode)
+
+
+def test_write_new_file_does_not_follow_a_planted_symlink(localstack, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("untouched")
+    path = tmp_path / "secret"
+    (tmp_path / f".secret.{os.getpid()}.tmp").symlink_to(target)
+    with pytest.raises(OSError):
+        localstack.write_new_file(path, "value", 0o600)
+    assert target.read_text() == "untouched" and not path.exists()
