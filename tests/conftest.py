@@ -15,6 +15,8 @@ STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state"))
 LOCALSTACK = [sys.executable, str(REPO / "scripts" / "localstack.py")]
 RUNNER = REPO / "tests" / "integration" / "airflow_runner.py"
 sys.path.insert(0, str(REPO / "scripts"))  # the REST client shared with `make demo`
+# Spark drivers the tests start in their own process bind loopback, like the stack's (no port on the network).
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 
 def stack_environment() -> dict[str, str]:
