@@ -148,3 +148,45 @@ print(time.perf_counter() - t0)
     assert out.returncode == 0, out.stderr[-3000:]
     seconds = float(out.stdout.strip().splitlines()[-1])
     assert seconds < PARSE_BUDGET_S, f"{dag_file.name} took {seconds:.2f} s to import"
+
+
+def test_dag_every_task_has_the_oncall_failure_notifier(tmp_path):
+    """Every task of every DAG alerts on-call when it fails: its ``on_failure_callback`` holds the suite's
+    OnCallNotifier, whether the task set it itself or inherited it from the DAG's ``default_args``
+    (hybridflow.dag_defaults.DEFAULT_ARGS). A task that replaces the callback list, or a DAG without the
+    defaults, fails silently at 3 am otherwise."""
+    code = f"""
+import json
+from airflow.dag_processing.dagbag import DagBag
+from hybridflow.notifiers.oncall import OnCallNotifier
+
+def callbacks(value):
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+def notified(value):
+    return any(isinstance(c, OnCallNotifier) for c in callbacks(value))
+
+bag = DagBag(dag_folder={str(REPO / 'dags')!r})
+print(json.dumps({{
+    "errors": sorted(bag.import_errors),
+    "dags": {{d.dag_id: {{
+        "default_args": notified((d.default_args or {{}}).get("on_failure_callback")),
+        "tasks": {{t.task_id: {{"notified": notified(t.on_failure_callback),
+                               "callbacks": [type(c).__name__ for c in callbacks(t.on_failure_callback)]}}
+                  for t in d.tasks}},
+    }} for d in bag.dags.values()}},
+}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(tmp_path), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["errors"] == []
+    assert found["dags"], "no DAGs loaded"
+    missing = [f"{dag_id}.{task_id}: on_failure_callback={task['callbacks']} "
+               f"(DAG default_args provide it: {dag['default_args']})"
+               for dag_id, dag in sorted(found["dags"].items()) for task_id, task in sorted(dag["tasks"].items())
+               if not task["notified"]]
+    assert all(dag["tasks"] for dag in found["dags"].values()), "a DAG without tasks"
+    assert missing == [], ("tasks that fail without alerting on-call; attach "
+                           "hybridflow.dag_defaults.DEFAULT_ARGS (or failure_alert()) to them")

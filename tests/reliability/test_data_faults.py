@@ -39,7 +39,7 @@ from test_spark_stages import (  # noqa: E402
     job_env,
     manifest,
     read,
-    standalone_master_alive,
+    require_standalone_master,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -90,10 +90,20 @@ def executor_pids(app_id: str | None = None) -> list[int]:
             if "CoarseGrainedExecutorBackend" in line and (app_id is None or app_id in line)]
 
 
+def app_id_of(pid: int) -> str | None:
+    """The Spark application an executor JVM runs for (its ``--app-id`` argument); None once it is gone."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag == b"--app-id":
+            return value.decode()
+    return None
+
+
 def test_executor_killed_mid_job_is_replaced_and_output_is_exactly_once(tmp_path):
-    why_not = standalone_master_alive()
-    if why_not:
-        pytest.skip(why_not)
+    require_standalone_master()
     rows, customers = 20_000, 5_000
     generate(tmp_path, DS, rows=rows, customers=customers)
     clean_root = tmp_path / "clean"
@@ -109,24 +119,31 @@ def test_executor_killed_mid_job_is_replaced_and_output_is_exactly_once(tmp_path
     job = features_job(tmp_path, master=STANDALONE_MASTER,
                        conf={"spark.sql.shuffle.partitions": "64", "spark.task.maxFailures": "4"})
     killed: list[int] = []
+    app_id: str | None = None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and job.poll() is None:
         fresh = [p for p in executor_pids() if p not in before]
         if fresh:
             time.sleep(4)  # let it register and start running tasks
+            app_id = app_id_of(fresh[0])
             if job.poll() is None:
                 os.kill(fresh[0], signal.SIGKILL)
                 killed.append(fresh[0])
             break
         time.sleep(0.2)
     killed_at = time.monotonic() - started
+    # The replacement: a new executor JVM of the same application (another app's executors do not count).
     relaunched: list[int] = []
     while job.poll() is None and not relaunched:
-        relaunched = [p for p in executor_pids() if p not in before and p not in killed]
+        relaunched = [p for p in executor_pids(app_id) if p not in before and p not in killed]
         time.sleep(0.2)
     code, out, err = finish(job)
     seconds = time.monotonic() - started
     assert killed, "the job finished before an executor could be killed"
+    assert app_id, f"could not read the --app-id of executor {killed[0]} before killing it"
+    assert relaunched, (f"executor {killed[0]} of {app_id} was SIGKILLed at {killed_at:.1f} s, but no replacement "
+                        f"executor of {app_id} was seen before the job ended (rc {code}, {seconds:.1f} s); the "
+                        f"standalone master did not relaunch it.\n{err[-4000:]}")
     assert code == 0, f"job failed after the executor kill (rc {code}):\n{err[-6000:]}"
     table = read(tmp_path, "features", DS)
     distinct = len(pc.unique(table["customer_id"]))

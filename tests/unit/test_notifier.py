@@ -214,7 +214,38 @@ def test_notifier_repeated_failures_of_a_stage_are_sent_once_per_window(tmp_path
     assert [(line["stage"], line["try_number"]) for line in read_lines(alerts)] == [
         ("training", 3), ("scoring", 3), ("training", 5)]
     state = json.loads((alerts.parent / "oncall-dedup.json").read_text())
-    assert state == {"nightly_training:training": clock.now}, "entries older than the window are dropped"
+    assert state == {"nightly_training:training:scheduled__2026-12-01T00:00:00+00:00": clock.now}, (
+        "entries older than the window are dropped")
+
+
+RUN_1 = "scheduled__2026-12-01T00:00:00+00:00"
+RUN_2 = "manual__2026-12-01T02:30:00+00:00"
+
+
+@pytest.mark.parametrize(
+    "failures, alerted",
+    [
+        ([("training.train", RUN_1, 3), ("training.train", RUN_1, 4)], [("training", RUN_1, 3)]),
+        ([("training.train", RUN_1, 3), ("training.train", RUN_2, 1)],
+         [("training", RUN_1, 3), ("training", RUN_2, 1)]),
+        ([("training.train", RUN_1, 3), ("scoring.score", RUN_1, 3)],
+         [("training", RUN_1, 3), ("scoring", RUN_1, 3)]),
+        ([("training.train", RUN_1, 3), ("training.train", RUN_2, 1), ("training.train", RUN_1, 4),
+          ("training.train", RUN_2, 2)], [("training", RUN_1, 3), ("training", RUN_2, 1)]),
+    ],
+    ids=["same-run-twice-one-alert", "two-runs-same-stage-two-alerts", "other-stage-two-alerts",
+         "two-runs-each-retried-one-alert-each"],
+)
+def test_notifier_dedup_is_per_dag_run_and_stage(tmp_path, failures, alerted):
+    """Within one dedup window: a run's repeated failure of a stage alerts once, while another run of the
+    same DAG failing in the same stage, or the same run failing in another stage, alerts on its own."""
+    clock = FakeClock(1_000_000.0)
+    alerts = tmp_path / "alerts.jsonl"
+    notifier = OnCallNotifier(dedup_window_s=3600, alerts_file=str(alerts), clock=clock)
+    for task_id, run_id, try_number in failures:
+        notifier(context_for(task_id=task_id, run_id=run_id, try_number=try_number))
+        clock.now += 60
+    assert [(line["stage"], line["run_id"], line["try_number"]) for line in read_lines(alerts)] == alerted
 
 
 def test_notifier_default_alerts_file_is_under_the_storage_root(tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ An alert names the DAG, run, stage, task, try, the remote job id, the error, the
 job's log and the runbook of the stage in ``include/runbooks/``. Secrets are scrubbed from every text field
 before the alert leaves the process. Delivery: one JSON line appended to the local alerts file (always: it is
 the record), and a POST to a webhook when a connection is configured (an ``http`` connection: any JSON
-webhook, or a Slack incoming webhook with ``extra.payload = "slack"``). A stage of a DAG that already alerted
-within the dedup window is not sent again; the suppression is logged.
+webhook, or a Slack incoming webhook with ``extra.payload = "slack"``). A stage of a DAG run that already
+alerted within the dedup window is not sent again (its retries fail the same way); the same stage failing in
+another run of the DAG is a new alert. The suppression is logged.
 
 Use it as a task callback (``default_args={"on_failure_callback": OnCallNotifier()}``) so the alert carries
 the stage, the exception and the task's XComs; as a DAG callback it falls back to the run's last task and its
@@ -153,7 +154,9 @@ class Alert:
 
     @property
     def dedup_key(self) -> str:
-        return f"{self.dag_id}:{self.stage}"
+        """One alert per stage of a DAG run: ``<dag>:<stage>:<run>`` (the run id last: it may hold colons, a
+        DAG id or a stage cannot)."""
+        return f"{self.dag_id}:{self.stage}:{self.run_id}"
 
     def text(self) -> str:
         """The human-readable message: what failed, where, the remote job, the runbook, the log tail."""
@@ -360,8 +363,8 @@ class OnCallNotifier(BaseNotifier):
     Sends an on-call alert when a task (or a DAG run) fails; see the module's docstring for what it says.
 
     :param sink_conn_id: an ``http`` connection of a webhook to POST the alert to; None: the local sink only.
-    :param dedup_window_s: a stage of a DAG alerts at most once in this many seconds; repeats are logged as
-        suppressed.
+    :param dedup_window_s: a stage of a DAG run alerts at most once in this many seconds; repeats (its
+        retries) are logged as suppressed. Another run failing in the same stage alerts on its own.
     :param state_dir: where the dedup state is kept (default: beside the alerts file).
     :param alerts_file: the local sink (default: HYBRIDFLOW_ALERTS_FILE, else
         ``<HYBRIDFLOW_STORAGE_ROOT>/alerts/alerts.jsonl``).
@@ -392,8 +395,8 @@ class OnCallNotifier(BaseNotifier):
         alerts_file = Path(self.alerts_file) if self.alerts_file else default_alerts_file()
         state_file = Path(self.state_dir or alerts_file.parent) / DEDUP_STATE_NAME
         if not claim(state_file, alert.dedup_key, now, self.dedup_window_s):
-            self.log.info("On-call alert suppressed (stage %s of %s already alerted within %.0f s): %s",
-                          alert.stage, alert.dag_id, self.dedup_window_s, alert.error)
+            self.log.info("On-call alert suppressed (stage %s of %s run %s already alerted within %.0f s): %s",
+                          alert.stage, alert.dag_id, alert.run_id, self.dedup_window_s, alert.error)
             return
         self.log.warning("On-call alert:\n%s", alert.text())
         try:
