@@ -17,12 +17,13 @@ from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.params import integer, strict_params, text
 from hybridflow.preflight import preflight_result_path
+from hybridflow.timetables import cron_schedule
 
 config = pipeline_config()
 
 with DAG(
     dag_id="cluster_preflight",
-    schedule=config.preflight.schedule,
+    schedule=cron_schedule(config.preflight.schedule),  # a missed week is skipped, not run late
     catchup=False,
     max_active_runs=1,
     default_args=DEFAULT_ARGS,

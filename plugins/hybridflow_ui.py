@@ -2,9 +2,12 @@
 The code lives in the installed package (hybridflow.ui); this file only registers it."""
 
 from airflow.plugins_manager import AirflowPlugin
+from hybridflow.timetables import NoMissedRunCronTimetable
 from hybridflow.ui import URL_PREFIX, create_app
 
 
 class HybridflowUiPlugin(AirflowPlugin):
     name = "hybridflow_ui"
     fastapi_apps = [{"app": create_app(), "url_prefix": URL_PREFIX, "name": "hybridflow reports and Slurm jobs"}]
+    # Custom timetables deserialize only when a plugin lists them (scheduler, api-server, DAG processor).
+    timetables = [NoMissedRunCronTimetable]

@@ -1,0 +1,159 @@
+"""A backfill, or a pause and unpause, never makes Airflow start a night that has already passed.
+
+Airflow's DAG processor recomputes ``next_dagrun`` on every parse from the latest SCHEDULED *or* BACKFILL_JOB run;
+with a plain ``CronTriggerTimetable`` and ``catchup=False`` that is the latest elapsed tick, which the scheduler then
+runs at once beside the backfill. This drives Airflow's real DAG processor and scheduler (their own processes, the
+project's plugins folder) on an Airflow home of its own: the shared stack's running components keep the plugin list
+they started with, and a scheduled run of a throw-away DAG must never meet the suite's own DAGs.
+
+Two throw-away DAGs on a daily tick that passed 3 hours ago, tasks in a pool that does not exist (nothing executes):
+``guard_backfill`` is unpaused, backfilled for 3 past nights, then paused and unpaused; ``guard_unpause`` has a start
+date a week back and is unpaused for the first time. Neither may get a scheduled run; both wait for tomorrow's tick.
+``HYBRIDFLOW_GUARD_TIMETABLE=plain`` runs the same scenario with Airflow's ``CronTriggerTimetable`` (it fails).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+AIRFLOW = str(Path(sys.executable).parent / "airflow")
+PLAIN = os.environ.get("HYBRIDFLOW_GUARD_TIMETABLE", "") == "plain"
+# Long enough for a dozen parses (every 5 s here) and scheduler loops after each step.
+SETTLE_S = 45
+
+DAG_FILE = '''
+from datetime import datetime
+from airflow.sdk import DAG, task
+{import_line}
+
+for dag_id, start in (("guard_backfill", None), ("guard_unpause", datetime.fromisoformat("{start}"))):
+    with DAG(dag_id, schedule={timetable}("{cron}", timezone="UTC"), start_date=start, catchup=False,
+             is_paused_upon_creation=True):
+        @task(pool="guard_never_opened")  # a pool that does not exist: runs start, their task never does
+        def noop():
+            pass
+
+        noop()
+'''
+
+
+def rows(db: Path, sql: str, *args) -> list[tuple]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def as_utc(value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    moment = datetime.fromisoformat(value)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+@pytest.fixture
+def airflow_home(tmp_path):
+    """A migrated SQLite Airflow home with the project's plugins; the DAG processor and scheduler it starts are
+    stopped, process group by process group, when the test ends."""
+    home = tmp_path / "airflow"
+    (home / "dags").mkdir(parents=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AIRFLOW")}
+    env.update(AIRFLOW_HOME=str(home), AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home / 'airflow.db'}",
+               AIRFLOW__CORE__DAGS_FOLDER=str(home / "dags"), AIRFLOW__CORE__PLUGINS_FOLDER=str(REPO / "plugins"),
+               AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__CORE__EXECUTOR="LocalExecutor",
+               # No task runs here; should one try, it must not reach the shared stack's api-server.
+               AIRFLOW__CORE__EXECUTION_API_SERVER_URL="http://127.0.0.1:9/execution/",
+               AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5", AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="5",
+               AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK="False", AIRFLOW__LOGGING__LOGGING_LEVEL="INFO")
+    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+    started: list[subprocess.Popen] = []
+
+    def start(*argv: str) -> subprocess.Popen:
+        log = open(home / f"{argv[0]}.log", "wb")  # noqa: SIM115 - kept open for the process's lifetime
+        proc = subprocess.Popen([AIRFLOW, *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        started.append(proc)
+        return proc
+
+    def cli(*argv: str) -> str:
+        out = subprocess.run([AIRFLOW, *argv], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"airflow {' '.join(argv)}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+        return out.stdout
+
+    yield home, start, cli
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # the group this test started: the component and its children
+            proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def wait_for(what: str, check, timeout_s: float = 90):
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(1)
+    return result
+
+
+def test_backfill_and_unpause_never_start_a_past_night(airflow_home):
+    home, start, cli = airflow_home
+    db = home / "airflow.db"
+    now = datetime.now(UTC).replace(second=0, microsecond=0)
+    last_tick = now - timedelta(hours=3)  # tonight's tick is 21 h away
+    next_tick = last_tick + timedelta(days=1)
+    timetable = "CronTriggerTimetable" if PLAIN else "NoMissedRunCronTimetable"
+    import_line = ("from airflow.timetables.trigger import CronTriggerTimetable" if PLAIN
+                   else "from hybridflow.timetables import NoMissedRunCronTimetable")
+    (home / "dags" / "guard_dags.py").write_text(DAG_FILE.format(
+        import_line=import_line, timetable=timetable, cron=f"{last_tick.minute} {last_tick.hour} * * *",
+        start=(now - timedelta(days=7)).date().isoformat()))
+
+    start("dag-processor")
+    wait_for("both DAGs serialized", lambda: len(rows(
+        db, "select dag_id from serialized_dag where dag_id like 'guard_%'")) >= 2)
+    start("scheduler", "--skip-serve-logs")
+
+    def scheduled_runs() -> list[tuple]:
+        return rows(db, "select dag_id, run_id from dag_run where dag_id like 'guard_%' and run_type = 'scheduled'")
+
+    cli("dags", "unpause", "guard_backfill")
+    # Three past nights, the newest two days back: the latest automated run is now a backfill's.
+    cli("backfill", "create", "--dag-id", "guard_backfill",
+        "--from-date", (last_tick - timedelta(days=4, minutes=30)).isoformat(),
+        "--to-date", (last_tick - timedelta(days=2) + timedelta(minutes=30)).isoformat())
+    backfill = rows(db, "select run_id from dag_run where dag_id = 'guard_backfill' and run_type = 'backfill'")
+    assert len(backfill) == 3, backfill
+    # The scheduler really reads the DAG (it deserializes the plugin's timetable): it starts the backfill's runs.
+    wait_for("a backfill run started", lambda: rows(
+        db, "select 1 from dag_run where dag_id = 'guard_backfill' and run_type = 'backfill' and state = 'running'"))
+    time.sleep(SETTLE_S)
+    assert scheduled_runs() == [], "a backfill made the scheduler start a past night"
+
+    cli("dags", "pause", "guard_backfill")
+    time.sleep(10)
+    cli("dags", "unpause", "guard_backfill")
+    cli("dags", "unpause", "guard_unpause")  # first unpause, start date a week back: 7 missed nights
+    time.sleep(SETTLE_S)
+    assert scheduled_runs() == [], "unpausing started a missed night"
+
+    for dag_id in ("guard_backfill", "guard_unpause"):
+        (next_dagrun, create_after), = rows(
+            db, "select next_dagrun, next_dagrun_create_after from dag where dag_id = ?", dag_id)
+        assert as_utc(next_dagrun) == next_tick, (dag_id, next_dagrun)
+        assert as_utc(create_after) == next_tick, (dag_id, create_after)
+    failures = [line for path in home.glob("*.log") for line in path.read_text(errors="replace").splitlines()
+                if "Failed to deserialize" in line or "is not registered" in line]
+    assert failures == []
