@@ -23,17 +23,18 @@ from __future__ import annotations
 from datetime import timedelta
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-from airflow.sdk import DAG, Asset, CronTriggerTimetable, Param, TaskGroup, task
+from airflow.sdk import DAG, Asset, Param, TaskGroup, task
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.report import RunReportOperator
-from hybridflow.operators.slurm import SlurmSubmitOperator
-from hybridflow.operators.training import DeepSpeedTrainingOperator
+from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
 from hybridflow.params import integer, strict_params
 from hybridflow.paths import jobs_dir
 from hybridflow.sensors.checkpoint import CheckpointSensor
 from hybridflow.sensors.slurm import SlurmCapacitySensor
+from hybridflow.timetables import cron_schedule
+from hybridflow.utils.slurm_jobs import MAX_GENERATION
 
 config = pipeline_config()
 cfg, root, cluster = config.nightly, config.storage.root, config.cluster
@@ -53,9 +54,9 @@ SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
 
 with DAG(
     dag_id="nightly_training",
-    # No start_date and run_immediately=False: unpausing waits for the next night instead of starting the missed
-    # one at once; backfills cover the past on request.
-    schedule=CronTriggerTimetable(cfg.cron, timezone="UTC", run_immediately=False) if cfg.cron else None,
+    # A night that has passed is never started late (a backfill or an unpause would otherwise start last night at
+    # once): NoMissedRunCronTimetable, see hybridflow/timetables.py. Backfills cover the past on request.
+    schedule=cron_schedule(cfg.cron),
     catchup=False,
     max_active_runs=cfg.max_active_runs,
     default_args=DEFAULT_ARGS,
@@ -79,6 +80,11 @@ with DAG(
                            description="Upper bound on optimizer steps."),
         "train_window_days": Param(cfg.train_window_days, **integer(1, 90),
                                    description="Days of published features, ending at the run's date, to train on."),
+        "retrain": Param(0, **integer(0, MAX_GENERATION),
+                         description="Training generation. 0: a cleared or rerun training task follows the job this "
+                                     "run already ran, even a completed one (never twice). N: a new job and a fresh "
+                                     "run directory for generation N of this run (each at most once), e.g. to "
+                                     "retrain after fixing data; earlier generations' outputs stay."),
         "dry_run": Param(False, type="boolean", description="Plan the run and log it; run nothing."),
     }),
 ) as dag:
@@ -187,6 +193,7 @@ with DAG(
             pool="gpu_training",
             execution_timeout=timedelta(minutes=cfg.time_limit_min * (cluster.max_requeues + 1)),
             runbook="include/runbooks/training.md",
+            retrain="{{ params.retrain }}",  # prepare put the generation in run_dir; this puts it in the job name
         )
         prepared >> train
 
@@ -199,8 +206,10 @@ with DAG(
         )
 
     with TaskGroup("evaluation", tooltip="challenger vs champion on the same holdout") as evaluation:
-        evaluate = SlurmSubmitOperator(
+        # the generation in its job name too: a retrain evaluates the new model, not the earlier one's result
+        evaluate = GenerationSlurmSubmitOperator(
             task_id="evaluate",
+            retrain="{{ params.retrain }}",
             command=[cluster.python, f"{cluster.jobs_dir}/evaluate.py",
                      "--features-root", f"{root}/features",
                      "--ds", prepared_value("train_ds"),

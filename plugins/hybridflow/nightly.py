@@ -15,6 +15,7 @@ from hybridflow.exceptions import HybridflowError
 from hybridflow.paths import include_dir, jobs_dir
 from hybridflow.registry import ModelRegistry
 from hybridflow.utils import nightly, quality
+from hybridflow.utils.slurm_jobs import generation, generation_run_dir
 
 MODEL_PRESETS = include_dir() / "config" / "model_presets.json"
 
@@ -56,12 +57,15 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
         raise HybridflowError(f"param model_preset={params['model_preset']!r}: choose one of {sorted(presets)}")
     window = nightly.training_window(ds, params["train_window_days"],
                                      quality.published_ds(Path(config.storage.root) / "features"))
-    run_dir = f"{config.storage.root}/runs/nightly_training/ds={ds}/{nightly.run_key(run_id)}"
+    # retrain=N: generation N's own fresh run directory (the train and evaluate job names carry N too)
+    retrain = generation(params.get("retrain", 0))
+    run_dir = generation_run_dir(f"{config.storage.root}/runs/nightly_training/ds={ds}/{nightly.run_key(run_id)}",
+                                 retrain)
     code = Path(config.cluster.jobs_dir).parent
     cfg = config.nightly
     run_config = {
         "run_id": run_id,
-        "labels": {"dag_id": "nightly_training", "ds": ds},
+        "labels": {"dag_id": "nightly_training", "ds": ds, "retrain": retrain},
         "features_root": f"{config.storage.root}/features",
         "ds": window,
         "model": {"preset": params["model_preset"]},
