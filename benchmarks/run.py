@@ -3,7 +3,9 @@
 A benchmark is a module ``benchmarks/bench_<name>.py`` with ``main() -> dict`` that prints, as its last line,
 ``RESULT <name> key=value ...``. Each one runs in its own Python process (a benchmark may start a JVM or pin
 threads; the next one starts clean); the runner echoes its output, checks the RESULT line, and writes the
-returned dict as JSON to ``benchmarks/results/<name>.json``. Exit status: 0 when every benchmark succeeded,
+returned dict as JSON to ``benchmarks/results/<name>.json`` (git-ignored). The RESULT line's figures, with the date,
+machine and load they were taken at, also go to the checked-in ``benchmarks/figures.json``: the source of the
+README's performance table, refreshed by every run. Exit status: 0 when every benchmark succeeded,
 1 when one failed, 2 for an unknown name.
 """
 
@@ -13,6 +15,7 @@ import argparse
 import importlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -21,6 +24,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
+FIGURES = BENCH_DIR / "figures.json"
 PREFIX = "bench_"
 
 
@@ -33,6 +37,27 @@ def write_json(path: Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def parse_result_line(line: str) -> dict[str, str]:
+    """``RESULT <name> k=v k=v`` -> {k: v} (values as printed)."""
+    return dict(item.split("=", 1) for item in line.split()[2:] if "=" in item)
+
+
+def record_figures(path: Path, name: str, result_line: str, *, when: str, machine: dict, loadavg_1m: float) -> dict:
+    """Replace ``name``'s entry in the checked-in figures file; the other benchmarks' entries are kept."""
+    try:
+        figures = json.loads(path.read_text())
+    except (OSError, ValueError):
+        figures = {}
+    figures[name] = {"date": when, "machine": machine, "loadavg_1m": loadavg_1m,
+                     "figures": parse_result_line(result_line)}
+    write_json(path, dict(sorted(figures.items())))
+    return figures
+
+
+def this_machine() -> dict:
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "system": platform.platform(terse=True)}
 
 
 def run_in_this_process(name: str, out: Path) -> int:
@@ -72,6 +97,8 @@ def run_one(name: str) -> bool:
                   flush=True)
             return False
         write_json(RESULTS_DIR / f"{name}.json", json.loads(out.read_text()))
+        record_figures(FIGURES, name, last, when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       machine=this_machine(), loadavg_1m=round(os.getloadavg()[0], 2))
     print(f"== benchmark {name} done in {elapsed:.0f} s -> {RESULTS_DIR / (name + '.json')}", flush=True)
     return True
 
