@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
+import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,51 @@ def run_dag(isolated_airflow_env):
         return result
 
     return run
+
+
+class TaskInstanceWatch:
+    """Reads a task instance's row in the metadata DB of run_dag's Airflow home (SQLite) to wait for the moment a
+    test injects a fault in, instead of sleeping and hoping."""
+
+    # deferred: the execution API recorded its trigger and resume method (dag.test runs the trigger inline and
+    # flips the state to queued meanwhile; trigger and method stay recorded). polling: running execute() itself.
+    MOMENTS = {
+        "deferred": lambda row: bool(row and row["state"] in ("deferred", "queued") and row["next_method"]
+                                     and row["trigger_id"]),
+        "polling": lambda row: bool(row and row["state"] == "running" and not row["next_method"]),
+    }
+
+    def __init__(self, airflow_env: dict[str, str]):
+        url = airflow_env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        assert url.startswith("sqlite:///"), url
+        self.db_path = url[len("sqlite:///"):]
+
+    def row(self, dag_id: str, task_id: str = "job") -> dict | None:
+        """(state, next_method, trigger_id) of the latest try, or None before the run exists or while the writer
+        holds the lock."""
+        try:
+            with closing(sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=5)) as db:
+                row = db.execute("SELECT state, next_method, trigger_id FROM task_instance WHERE dag_id = ? AND "
+                                 "task_id = ? ORDER BY try_number DESC LIMIT 1", (dag_id, task_id)).fetchone()
+        except sqlite3.OperationalError:  # locked by the task's own process, or not migrated yet: ask again
+            return None
+        return dict(zip(("state", "next_method", "trigger_id"), row, strict=True)) if row else None
+
+    def wait(self, dag_id: str, moment: str, task_id: str = "job", timeout_s: float = 60) -> dict:
+        reached = self.MOMENTS[moment]
+        seen: list[dict | None] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            row = self.row(dag_id, task_id)
+            if not seen or row != seen[-1]:
+                seen.append(row)
+            if reached(row):
+                return row
+            time.sleep(0.2)
+        pytest.fail(f"task {task_id} of {dag_id} was not {moment} within {timeout_s:.0f} s; its task instance went "
+                    f"through {seen} (state, next_method, trigger_id)", pytrace=False)
+
+
+@pytest.fixture
+def task_watch(isolated_airflow_env) -> TaskInstanceWatch:
+    return TaskInstanceWatch(isolated_airflow_env)

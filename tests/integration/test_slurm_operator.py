@@ -3,11 +3,9 @@ lifecycle (execute -> defer -> trigger -> execute_complete) in dag.test()."""
 
 from __future__ import annotations
 
-import sqlite3
 import textwrap
 import time
 import uuid
-from contextlib import closing
 
 import pytest
 from hybridflow.exceptions import SlurmJobFailed
@@ -138,48 +136,9 @@ def test_slurm_operator_failure_message_from_a_real_failed_job(stack, log_dir):
     assert "oops" in str(err.value)
 
 
-def task_instance_row(airflow_env: dict[str, str], dag_id: str, task_id: str = "job") -> dict | None:
-    """The task instance's row in the metadata DB that run_dag's Airflow home uses (SQLite), or None before the
-    run exists or while the writer holds the lock."""
-    url = airflow_env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
-    assert url.startswith("sqlite:///"), url
-    try:
-        with closing(sqlite3.connect(f"file:{url[len('sqlite:///'):]}?mode=ro", uri=True, timeout=5)) as db:
-            row = db.execute("SELECT state, next_method, trigger_id FROM task_instance WHERE dag_id = ? AND "
-                             "task_id = ? ORDER BY try_number DESC LIMIT 1", (dag_id, task_id)).fetchone()
-    except sqlite3.OperationalError:  # locked by the task's own process, or not migrated yet: ask again
-        return None
-    return dict(zip(("state", "next_method", "trigger_id"), row, strict=True)) if row else None
-
-
-def deferred(row: dict | None) -> bool:
-    """The task deferred: the execution API recorded its trigger and resume method (state ``deferred``). dag.test
-    runs the trigger inline and flips the state to ``queued`` meanwhile; the trigger and method stay recorded."""
-    return bool(row and row["state"] in ("deferred", "queued") and row["next_method"] and row["trigger_id"])
-
-
-def polling(row: dict | None) -> bool:
-    """The task is running its execute() and has never deferred: it polls the job itself."""
-    return bool(row and row["state"] == "running" and not row["next_method"])
-
-
-def wait_for_task(airflow_env: dict[str, str], dag_id: str, want, what: str, timeout_s: float = 60) -> dict:
-    seen: list[dict | None] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        row = task_instance_row(airflow_env, dag_id)
-        if not seen or row != seen[-1]:
-            seen.append(row)
-        if want(row):
-            return row
-        time.sleep(0.2)
-    pytest.fail(f"task job of {dag_id} was not {what} within {timeout_s:.0f} s; its task instance went through "
-                f"{seen} (state, next_method, trigger_id)", pytrace=False)
-
-
 @pytest.mark.parametrize("deferrable", [False, True], ids=["killed-while-polling", "killed-while-deferred"])
 def test_slurm_operator_task_killed_mid_wait_then_rerun_reattaches_to_the_one_job(run_dag, log_dir, deferrable,
-                                                                                  isolated_airflow_env):
+                                                                                  task_watch):
     """SIGKILL the process running the task while it waits for its job, then run the task again for the same
     DAG run (same run id, so the same job name): it must follow the first job, never submit a second."""
     import os
@@ -197,10 +156,7 @@ def test_slurm_operator_task_killed_mid_wait_then_rerun_reattaches_to_the_one_jo
         time.sleep(0.5)
     assert jobs_named(prefix), "the first try never submitted"
     # Kill it in the wait it is meant to be killed in: handed to its trigger, or polling in execute().
-    if deferrable:
-        before_kill = wait_for_task(isolated_airflow_env, dag_id, deferred, "deferred to its trigger")
-    else:
-        before_kill = wait_for_task(isolated_airflow_env, dag_id, polling, "running its own polling wait")
+    before_kill = task_watch.wait(dag_id, "deferred" if deferrable else "polling")
     assert first.poll() is None, f"the first try ended before it could be killed (task instance {before_kill})"
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()

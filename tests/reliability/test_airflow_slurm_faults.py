@@ -433,7 +433,7 @@ def joined(thread: threading.Thread, box: dict, timeout_s: float) -> dict:
     return box["result"]
 
 
-def test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succeeds(run_dag, log_dir):
+def test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succeeds(run_dag, log_dir, task_watch):
     """Injected: the login node's sshd stopped for ~30 s while the trigger follows the job (budget 300 s).
     Survives: the trigger, the job; the task succeeds with exactly one job."""
     dag_id = f"r_sshd_{uuid.uuid4().hex[:6]}"
@@ -441,7 +441,7 @@ def test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succee
     thread, box = run_in_thread(run_dag, slurm_dag(dag_id, log_dir, sleep_s=50), dag_id, timeout_s=300)
     try:
         wait_until("the job to run", lambda: "RUNNING" in jobs_named_like(prefix).values(), timeout_s=120)
-        time.sleep(4)  # deferred by now: the trigger is polling
+        task_watch.wait(dag_id, "deferred")  # the trigger follows the job now
         stopped = time.monotonic()
         with sshd_outage(f"{dag_id}.py") as cut:
             time.sleep(30)
@@ -459,7 +459,7 @@ def test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succee
         cancel_all([j for j, state in jobs_named_like(prefix).items() if state in LIVE])
 
 
-def test_sshd_down_past_the_reconnect_budget_fails_clearly_and_a_rerun_reattaches(run_dag, log_dir):
+def test_sshd_down_past_the_reconnect_budget_fails_clearly_and_a_rerun_reattaches(run_dag, log_dir, task_watch):
     """Injected: sshd stopped for longer than the operator's reconnect budget (15 s). Expected: the task fails
     with a message naming the connection's host and the remedy; the job runs on; rerunning the task for the
     same DAG run reattaches to it and succeeds."""
@@ -470,7 +470,7 @@ def test_sshd_down_past_the_reconnect_budget_fails_clearly_and_a_rerun_reattache
     thread, box = run_in_thread(run_dag, source, dag_id, logical_date=logical_date, timeout_s=300)
     try:
         wait_until("the job to run", lambda: "RUNNING" in jobs_named_like(prefix).values(), timeout_s=120)
-        time.sleep(4)
+        task_watch.wait(dag_id, "deferred")
         stopped = time.monotonic()
         with sshd_outage(f"{dag_id}.py") as cut:
             thread.join(60)  # the trigger gives up after the 15 s budget (plus its backoff)
