@@ -148,13 +148,15 @@ def test_sync_hook_with_the_pinned_key_needs_no_known_hosts(server, connection):
     assert marker.exists()
 
 
+@pytest.mark.parametrize("touch", [sync_touch, async_touch], ids=["task-hook", "trigger-hook"])
 @pytest.mark.parametrize("case", REFUSED)
-def test_sync_hook_refuses_before_any_command(case, server, connection, connects):
+def test_hook_refuses_before_any_command(case, touch, server, connection, connects):
+    """The task's hook (paramiko) and the trigger's hook (asyncssh) refuse alike."""
     _, _, marker = server
     changes, says = REFUSED[case]
     conn_id = connection(case, changes)
     with pytest.raises(SlurmConnectionError) as refused:
-        sync_touch(conn_id, marker)
+        touch(conn_id, marker)
     assert_names_connection_and_fix(str(refused.value), conn_id, says)
     assert not marker.exists()
     if case in REFUSED_BEFORE_CONNECTING:
@@ -194,19 +196,6 @@ def test_async_hook_trusts_the_pin_over_a_stale_known_hosts_entry(server, connec
     (home / ".ssh" / "known_hosts").write_text(f"[{conn['host']}]:{conn['port']} {other_host_key()}\n")
     async_touch(connection("stale_known_hosts", {}), marker)
     assert marker.exists()
-
-
-@pytest.mark.parametrize("case", REFUSED)
-def test_async_hook_refuses_before_any_command(case, server, connection, connects):
-    _, _, marker = server
-    changes, says = REFUSED[case]
-    conn_id = connection(case, changes)
-    with pytest.raises(SlurmConnectionError) as refused:
-        async_touch(conn_id, marker)
-    assert_names_connection_and_fix(str(refused.value), conn_id, says)
-    assert not marker.exists()
-    if case in REFUSED_BEFORE_CONNECTING:
-        assert connects == []
 
 
 def test_job_trigger_with_the_pinned_key_follows_a_real_job(server, connection):
