@@ -138,3 +138,22 @@ class TaskInstanceWatch:
 @pytest.fixture
 def task_watch(isolated_airflow_env) -> TaskInstanceWatch:
     return TaskInstanceWatch(isolated_airflow_env)
+
+
+def slurm_jobs_named(fragment: str) -> list[str]:
+    """Every Slurm job id whose name holds ``fragment``, in the queue or in accounting (the last day), in
+    numeric order: the oracle for "no second sbatch"."""
+    from hybridflow.hooks.slurm import SlurmHook
+
+    hook = SlurmHook()
+    try:
+        sacct = hook.run(["sacct", "-X", "-P", "-n", "--starttime=now-1days", "--format=JobID,JobName"]).stdout
+        squeue = hook.run(["squeue", "--states=all", "--noheader", "-o", "%i|%j"]).stdout
+    finally:
+        hook.close()
+    return sorted({line.split("|")[0] for line in (sacct + squeue).splitlines() if fragment in line}, key=int)
+
+
+@pytest.fixture
+def jobs_named(stack):
+    return slurm_jobs_named

@@ -15,17 +15,6 @@ from hybridflow.hooks.slurm import SlurmHook
 LOGICAL_DATE = "2026-01-02T00:00:00+00:00"  # one date for every run: the same run id, what a cleared task sees
 
 
-def jobs_named(fragment: str) -> list[str]:
-    """Every job id whose name holds ``fragment``, in the queue or in accounting (the oracle for 'no new sbatch')."""
-    hook = SlurmHook()
-    try:
-        sacct = hook.run(["sacct", "-X", "-P", "-n", "--starttime=now-1days", "--format=JobID,JobName"]).stdout
-        squeue = hook.run(["squeue", "--states=all", "--noheader", "-o", "%i|%j"]).stdout
-    finally:
-        hook.close()
-    return sorted({line.split("|")[0] for line in (sacct + squeue).splitlines() if fragment in line}, key=int)
-
-
 @pytest.fixture
 def generation_dirs(training_area):
     """The test's run directory; generation 1's sibling is removed afterwards too."""
@@ -36,8 +25,9 @@ def generation_dirs(training_area):
     hook.close()
 
 
-def test_retrain_generation_rerun_reattaches_and_retrain_submits_exactly_one_fresh_job(run_dag, generation_dirs,
-                                                                                      stack, make_run_config):
+def test_retrain_generation_rerun_reattaches_and_retrain_submits_exactly_one_fresh_job(run_dag, jobs_named,
+                                                                                      generation_dirs, stack,
+                                                                                      make_run_config):
     features, run_dir = generation_dirs
     dag_id = f"t_retrain_{uuid.uuid4().hex[:6]}"
     source = textwrap.dedent(f'''

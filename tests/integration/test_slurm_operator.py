@@ -40,17 +40,6 @@ def log_dir(stack):
     hook.close()
 
 
-def jobs_named(name_fragment: str) -> list[str]:
-    hook = SlurmHook()
-    try:
-        out = hook.run(["sacct", "-X", "-P", "-n", "--starttime=now-1days", "--format=JobID,JobName"]).stdout
-        squeue = hook.run(["squeue", "--states=all", "--noheader", "-o", "%i|%j"]).stdout
-    finally:
-        hook.close()
-    ids = {line.split("|")[0] for line in (out + squeue).splitlines() if name_fragment in line}
-    return sorted(ids)
-
-
 def test_slurm_operator_runs_a_gpu_job_to_completed_through_the_trigger(run_dag, log_dir):
     dag_id = f"t_slurm_ok_{uuid.uuid4().hex[:6]}"
     script = ('echo "{\\"step\\": 3, \\"total_steps\\": 6, \\"loss\\": 0.5}" > ' + log_dir + '/progress.json; '
@@ -80,7 +69,7 @@ def test_slurm_operator_failed_job_names_state_exit_code_stderr_and_runbook(run_
     assert "Runbook: include/runbooks/training.md" in log
 
 
-def test_slurm_operator_retry_reattaches_instead_of_submitting_twice(stack, log_dir):
+def test_slurm_operator_retry_reattaches_instead_of_submitting_twice(stack, log_dir, jobs_named):
     """A retry (a new try of the same task in the same run) finds the job by its deterministic name."""
     from hybridflow.operators.slurm import SlurmSubmitOperator
     from hybridflow.utils.slurm import deterministic_job_name
@@ -138,7 +127,7 @@ def test_slurm_operator_failure_message_from_a_real_failed_job(stack, log_dir):
 
 @pytest.mark.parametrize("deferrable", [False, True], ids=["killed-while-polling", "killed-while-deferred"])
 def test_slurm_operator_task_killed_mid_wait_then_rerun_reattaches_to_the_one_job(run_dag, log_dir, deferrable,
-                                                                                  task_watch):
+                                                                                  jobs_named, task_watch):
     """SIGKILL the process running the task while it waits for its job, then run the task again for the same
     DAG run (same run id, so the same job name): it must follow the first job, never submit a second."""
     import os
