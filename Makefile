@@ -3,7 +3,9 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 .DEFAULT_GOAL := help
 
-PYTHON ?= python3
+# Debian's interpreter when there is one: Airflow runs as an unprivileged service user, which cannot run a venv
+# whose interpreter lives under /root (pyenv).
+PYTHON ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || command -v python3)
 VENV := .venv
 SERVING_VENV := .venv-serving
 PY := $(VENV)/bin/python
@@ -11,7 +13,7 @@ STACK := $(PYTHON) scripts/localstack.py
 PYTEST_ARGS ?=
 BENCH ?=
 
-.PHONY: help system-deps venv up down status demo test test-unit test-integration bench lint clean
+.PHONY: help system-deps venv venv-interpreter up down status demo test test-unit test-integration bench lint clean
 
 help:
 	@echo "make demo    run the whole nightly pipeline on the local stack (sets everything up)"
@@ -26,7 +28,14 @@ system-deps:
 			python3-venv python3-dev openjdk-17-jre-headless make git; \
 	fi
 
-venv: system-deps $(VENV)/.installed $(SERVING_VENV)/.installed
+venv: system-deps venv-interpreter $(VENV)/.installed $(SERVING_VENV)/.installed
+
+# A venv built by an older version from another interpreter is built again from $(PYTHON).
+venv-interpreter:
+	@home=$$(dirname "$$(readlink -f "$$(command -v $(PYTHON))")"); \
+	if [ -f $(VENV)/pyvenv.cfg ] && ! grep -qx "home = $$home" $(VENV)/pyvenv.cfg; then \
+		echo "$(VENV) was built from another interpreter; building it again from $(PYTHON)"; rm -rf $(VENV); \
+	fi
 
 # torch first: the CPU build on local disk; the later resolve then keeps it instead of pulling a CUDA build.
 # pyspark last: the Spark provider's pyspark-client overwrites pyspark's files with older ones (shared/notes).

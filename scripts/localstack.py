@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import fcntl
+import grp
 import hashlib
 import json
 import os
@@ -122,6 +123,13 @@ PROF = load_profile()
 STACK = PROF["stack"]
 P = Paths(Path(STACK["cluster_dir"]))
 JOB_USER = STACK["job_user"]
+# Airflow's components (and so every task and task-launched Spark driver) and Spark's daemons run as this
+# unprivileged user; it and the job user share the storage group, the one door between the two sides.
+SERVICE_USER = STACK.get("service_user", "hybridflow")
+STORAGE_GROUP = STACK.get("storage_group", SERVICE_USER)
+# Files the services and the jobs create in the shared storage stay writable by the group.
+SHARED_UMASK = 0o002
+SERVICE_USER_SERVICES = ("airflow-", "spark-")
 
 NODE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 
@@ -168,15 +176,15 @@ def secret(name: str, where: Path, nbytes: int = 24, make: Callable[[int], str] 
     return path.read_text().strip()
 
 
-def chown(path: Path, user: str) -> None:
+def chown(path: Path, user: str, group: str | None = None) -> None:
     pw = pwd.getpwnam(user)
-    os.chown(path, pw.pw_uid, pw.pw_gid)
+    os.chown(path, pw.pw_uid, grp.getgrnam(group).gr_gid if group else pw.pw_gid)
 
 
-def ensure_dir(path: Path, owner: str = "root", mode: int = 0o755) -> Path:
+def ensure_dir(path: Path, owner: str = "root", mode: int = 0o755, group: str | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    path.chmod(mode)
-    chown(path, owner)
+    chown(path, owner, group)
+    path.chmod(mode)  # after chown: a chown clears the setgid bit
     return path
 
 
@@ -266,13 +274,24 @@ class Service:
         return pid
 
 
-def spawn(cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path | None = None) -> int:
+def as_service_user(env: dict | None = None) -> dict:
+    """Popen arguments that run a process as the unprivileged service user, with its groups, its home and the
+    shared umask (root opens the log file first and hands the process the open descriptor)."""
+    pw = pwd.getpwnam(SERVICE_USER)
+    home = {"HOME": pw.pw_dir, "USER": SERVICE_USER, "LOGNAME": SERVICE_USER}
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": os.getgrouplist(SERVICE_USER, pw.pw_gid),
+            "umask": SHARED_UMASK, "env": dict(env if env is not None else os.environ, **home)}
+
+
+def spawn(cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path | None = None,
+          service_user: bool = False) -> int:
     """Start a foreground-style process in its own session, so `down` can stop it and its children."""
     logfile.parent.mkdir(parents=True, exist_ok=True)
+    identity = as_service_user(env) if service_user else {"env": env}
     with open(logfile, "ab") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-            start_new_session=True,
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
+            start_new_session=True, **identity,
         )
     return proc.pid
 
@@ -316,12 +335,66 @@ def ensure_job_user() -> None:
     run(["usermod", "-p", "*", JOB_USER])
 
 
+def ensure_state_dir() -> None:
+    """`.state` is root's, 0710 with the service user's group: that user may pass through to its own Airflow
+    home, SSH key and Spark folders (each 0700 its own); no one else may enter, and no one but root may list."""
+    ensure_dir(STATE, mode=0o710, group=STORAGE_GROUP)
+
+
+def ensure_service_user() -> None:
+    """The unprivileged user Airflow and Spark run as, and the storage group it shares with the job user."""
+    try:
+        grp.getgrnam(STORAGE_GROUP)
+    except KeyError:
+        log(f"creating storage group {STORAGE_GROUP}")
+        run(["groupadd", "--system", STORAGE_GROUP])
+    try:
+        pwd.getpwnam(SERVICE_USER)
+    except KeyError:
+        log(f"creating service user {SERVICE_USER}")
+        run(["useradd", "--system", "--create-home", "--home-dir", f"/home/{SERVICE_USER}", "--shell",
+             "/usr/sbin/nologin", "--gid", STORAGE_GROUP, SERVICE_USER])
+    for user in (SERVICE_USER, JOB_USER):
+        if user not in grp.getgrnam(STORAGE_GROUP).gr_mem and pwd.getpwnam(user).pw_gid != grp.getgrnam(
+                STORAGE_GROUP).gr_gid:
+            run(["usermod", "--append", "--groups", STORAGE_GROUP, user])
+
+
+def ensure_checkout_reachable() -> None:
+    """The service user runs this checkout's DAGs, plugins and venv: every directory above it must let it pass.
+    A clone under a private directory (/root) gets a traverse-only ACL entry for that user, nothing more."""
+    probe = [str(VENV / "bin/python"), "-c", "import os, sys; os.listdir(sys.argv[1])", str(REPO / "dags")]
+    if run(probe, check=False, **as_service_user()).returncode == 0:
+        return
+    for parent in reversed(REPO.parents):
+        if not parent.stat().st_mode & 0o001:
+            if not shutil.which("setfacl"):
+                raise RuntimeError(f"{SERVICE_USER} cannot reach {REPO}: {parent} is closed to others; "
+                                   f"clone elsewhere (e.g. /srv) or apt-get install acl")
+            log(f"letting {SERVICE_USER} traverse {parent} (ACL u:{SERVICE_USER}:--x)")
+            run(["setfacl", "-m", f"u:{SERVICE_USER}:x", str(parent)])
+    done = run(probe, check=False, **as_service_user())
+    if done.returncode != 0:
+        raise RuntimeError(f"{SERVICE_USER} cannot run {VENV / 'bin/python'} on {REPO / 'dags'}: {done.stderr.strip()}"
+                           "; the venv must come from an interpreter outside /root (make venv uses /usr/bin/python3)")
+
+
+def give_to_service_user(*paths: Path) -> None:
+    """Hand what Airflow writes to the service user (once: trees an older root-run stack left behind)."""
+    pw = pwd.getpwnam(SERVICE_USER)
+    for path in paths:
+        if path.exists() and any(p.stat().st_uid != pw.pw_uid for p in (path, *path.iterdir())):
+            run(["chown", "-R", f"{SERVICE_USER}:{pw.pw_gid}", str(path)])
+
+
 def ensure_client_key() -> Path:
-    """Airflow's SSH identity, generated here (never committed) and authorized for the job user."""
-    ensure_dir(P.ssh_client, mode=0o700)
+    """Airflow's SSH identity, generated here (never committed), readable by the service user only and
+    authorized for the job user."""
+    ensure_dir(P.ssh_client, owner=SERVICE_USER, mode=0o700)
     key = P.ssh_client / "id_ed25519"
     if not key.exists():
         run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"hybridflow-airflow@{REPO.name}", "-f", str(key)])
+    give_to_service_user(P.ssh_client)
     pub = (P.ssh_client / "id_ed25519.pub").read_text().strip()
     home = Path(pwd.getpwnam(JOB_USER).pw_dir)
     ssh_dir = ensure_dir(home / ".ssh", owner=JOB_USER, mode=0o700)
@@ -344,12 +417,22 @@ def ensure_host_key() -> str:
 
 def ensure_storage() -> None:
     ensure_dir(P.cluster)
-    ensure_dir(P.storage, owner=JOB_USER, mode=0o755)
-    # The job user writes checkpoints and training outputs; Airflow (root here) writes features and models.
+    # The job user writes checkpoints and training outputs; Airflow's service user writes features, models and
+    # reports. Both are in the storage group: directories are setgid 2775 (new entries keep the group) and both
+    # sides create with umask 002, so either may replace what the other wrote; others may only read.
+    ensure_dir(P.storage, owner=JOB_USER, group=STORAGE_GROUP, mode=0o2775)
     for sub in ("checkpoints", "runs", "scratch"):
-        ensure_dir(P.storage / sub, owner=JOB_USER, mode=0o755)
-    for sub in ("features", "raw", "predictions", "models", "model-repository", "reports"):
-        ensure_dir(P.storage / sub, mode=0o755)
+        ensure_dir(P.storage / sub, owner=JOB_USER, group=STORAGE_GROUP, mode=0o2775)
+    for sub in ("features", "raw", "predictions", "models", "model-repository", "reports", "alerts"):
+        ensure_dir(P.storage / sub, owner=SERVICE_USER, group=STORAGE_GROUP, mode=0o2775)
+    stamp = P.storage / ".storage-group"
+    if not stamp.exists() or stamp.read_text().strip() != STORAGE_GROUP:
+        # Once, for a store that a root-run stack filled: the group, group write, setgid directories.
+        log(f"sharing {P.storage} with group {STORAGE_GROUP} (once)")
+        run(["chgrp", "-R", STORAGE_GROUP, str(P.storage)])
+        run(["chmod", "-R", "g+rwX", str(P.storage)])
+        run(["find", str(P.storage), "-type", "d", "-exec", "chmod", "g+s", "{}", "+"])
+        stamp.write_text(f"{STORAGE_GROUP}\n")
 
 
 def ensure_cluster_env() -> None:
@@ -563,6 +646,13 @@ def configure_slurm() -> tuple[str, bool]:
     return hashlib.sha256((slurm + gres).encode()).hexdigest(), changed
 
 
+def proc_uid(pid: int) -> int | None:
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid
+    except OSError:
+        return None
+
+
 def proc_comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -741,8 +831,12 @@ def spark_class(cls: str, args: list[str], logname: str) -> int:
     """Run a Spark daemon in the foreground of its own session (spark-class execs java: the PID is the JVM's)."""
     env = spark_env()
     for sub in ("logs", "work"):
-        (P.spark / sub).mkdir(parents=True, exist_ok=True)
-    return spawn([f"{env['SPARK_HOME']}/bin/spark-class", cls, *args], P.logs / logname, env=env)
+        ensure_dir(P.spark / sub, owner=SERVICE_USER, mode=0o700)
+    ensure_dir(P.spark, owner=SERVICE_USER, mode=0o700)
+    give_to_service_user(P.spark)
+    # The service user's: executors write features into the shared storage, as the drivers that commit them.
+    return spawn([f"{env['SPARK_HOME']}/bin/spark-class", cls, *args], P.logs / logname, env=env,
+                 service_user=True)
 
 
 def start_spark_master() -> int:
@@ -885,7 +979,7 @@ def fernet_key(nbytes: int) -> str:
 def write_known_hosts(host_key: str) -> None:
     port = STACK["ssh_port"]
     text = "".join(f"[{h}]:{port} {host_key}\n" for h in ("127.0.0.1", "localhost"))
-    write_if_changed(P.ssh_client / "known_hosts", text)
+    write_if_changed(P.ssh_client / "known_hosts", text, owner=SERVICE_USER)
 
 
 def airflow_env() -> dict[str, str]:
@@ -912,6 +1006,7 @@ def airflow_env() -> dict[str, str]:
         "HYBRIDFLOW_STORAGE_ROOT": str(P.storage),
         "HYBRIDFLOW_CLUSTER_DIR": str(P.cluster),
         "HYBRIDFLOW_JOB_USER": JOB_USER,
+        "HYBRIDFLOW_SERVICE_USER": SERVICE_USER,
         "HYBRIDFLOW_CLUSTER_PYTHON": str(P.cluster_venv / "bin/python"),
         "HYBRIDFLOW_CLUSTER_JOBS_DIR": str(P.cluster_code / "jobs"),
         "HYBRIDFLOW_STATE_DIR": str(STATE),
@@ -930,18 +1025,19 @@ def airflow_env() -> dict[str, str]:
 
 
 def write_airflow_files() -> dict[str, str]:
-    ensure_dir(P.airflow_home, mode=0o700)
+    ensure_dir(P.airflow_home, owner=SERVICE_USER, mode=0o700)
+    give_to_service_user(P.airflow_home)
     write_known_hosts(ensure_host_key())
     passwords = P.airflow_home / "passwords.json"
     if not passwords.exists():
-        write_if_changed(passwords, json.dumps({"admin": secrets.token_urlsafe(12)}), mode=0o600)
+        write_if_changed(passwords, json.dumps({"admin": secrets.token_urlsafe(12)}), mode=0o600, owner=SERVICE_USER)
     env = airflow_env()
     write_if_changed(STATE / "airflow-env.json", json.dumps(env, indent=2, sort_keys=True), mode=0o600)
     return env
 
 
 def airflow(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return run([str(VENV / "bin/airflow"), *args], env=dict(os.environ, **env))
+    return run([str(VENV / "bin/airflow"), *args], cwd=REPO, **as_service_user(dict(os.environ, **env)))
 
 
 def migrate_airflow_db() -> None:
@@ -952,6 +1048,7 @@ def migrate_airflow_db() -> None:
         log("migrating the Airflow metadata DB")
         airflow("db", "migrate", env=env)
         stamp.write_text(version)
+        chown(stamp, SERVICE_USER)
     # Pools keep a backfill from flooding the GPU partition or Spark; the DAGs name them.
     pools = REPO / "include/config/pools.json"
     pools_stamp = P.airflow_home / ".pools"
@@ -960,6 +1057,7 @@ def migrate_airflow_db() -> None:
         log("importing Airflow pools from include/config/pools.json")
         airflow("pools", "import", str(pools), env=env)
         pools_stamp.write_text(digest)
+        chown(pools_stamp, SERVICE_USER)
 
 
 def start_airflow_component(component: str) -> int:
@@ -968,7 +1066,7 @@ def start_airflow_component(component: str) -> int:
     # local log folder instead, so it is not started.
     extra = ["--skip-serve-logs"] if component in ("scheduler", "triggerer") else []
     return spawn([str(VENV / "bin/airflow"), component, *extra], P.logs / f"airflow-{component}.log", env=env,
-                 cwd=REPO)
+                 cwd=REPO, service_user=True)
 
 
 def airflow_api_ready() -> bool:
@@ -1051,11 +1149,14 @@ def cmd_up(names: list[str]) -> int:
     if os.geteuid() != 0:
         sys.exit("localstack must run as root: it installs packages and starts Slurm daemons as their users")
     t0 = time.monotonic()
-    # Keys, passwords, tokens and the logs that could echo them: for root only.
-    for d in (STATE, P.run_dir, P.logs):
-        ensure_dir(d, mode=0o700)
     ensure_packages()
     ensure_job_user()
+    ensure_service_user()
+    ensure_state_dir()
+    # Keys, passwords, tokens and the logs that could echo them: for root only.
+    for d in (P.run_dir, P.logs, P.local_secrets):
+        ensure_dir(d, mode=0o700)
+    ensure_checkout_reachable()
     ensure_storage()
     ensure_client_key()
     ensure_cluster_env()
@@ -1082,6 +1183,11 @@ def cmd_up(names: list[str]) -> int:
         if restart:
             # A running component keeps the environment it was started with (connections included).
             log(f"{svc.name}: environment changed since it started; restarting it")
+            stop_pid(svc.name, svc.owned_pid())
+        elif svc.name.startswith(SERVICE_USER_SERVICES) and svc.owned_pid() and (
+                proc_uid(svc.owned_pid()) != pwd.getpwnam(SERVICE_USER).pw_uid):
+            restart = True
+            log(f"{svc.name}: running as uid {proc_uid(svc.owned_pid())}, not {SERVICE_USER}; restarting it")
             stop_pid(svc.name, svc.owned_pid())
         if not restart and svc.ready():
             note = "" if svc.owned_pid() else " (not started by this checkout; left alone by `down`)"
@@ -1188,7 +1294,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("up", "down"):
             # One at a time: two concurrent `up`s (parallel test sessions) would each start a copy of a
             # service and leave one of them orphaned, its pid file overwritten.
-            ensure_dir(STATE, mode=0o700)
+            STATE.mkdir(mode=0o700, exist_ok=True)
             with open(STATE / ".localstack.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 return cmd_up(args.services) if args.command == "up" else cmd_down(args.services)

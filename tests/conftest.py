@@ -20,6 +20,9 @@ RUNNER = REPO / "tests" / "integration" / "airflow_runner.py"
 sys.path.insert(0, str(REPO / "scripts"))  # the REST client shared with `make demo`
 # Spark drivers the tests start in their own process bind loopback, like the stack's (no port on the network).
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+# The tests run as root beside Airflow's unprivileged service user: what they write into the shared storage must
+# stay writable by the storage group (as everything the stack and the Slurm jobs write), so a task may replace it.
+os.umask(0o002)
 
 
 def stack_environment() -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Security scenarios on the running local stack.
 
 10: hostile values for every string param of every DAG are refused by the schema or stay inert data.
-12: services listen on loopback only (Slurm daemons excepted), Slurm jobs run unprivileged, and no generated
-    secret shows up in task logs, reports, alerts, XCom, rendered fields or tracked files.
+12: services listen on loopback only (Slurm daemons excepted), Airflow (its tasks and their Spark drivers
+    included), Spark and the Slurm jobs run unprivileged, and no generated secret shows up in task logs, reports,
+    alerts, XCom, rendered fields or tracked files.
 Each scenario prints one `RELIABILITY <scenario> key=value ...` line (the README quotes them).
 """
 
@@ -206,6 +207,13 @@ def is_loopback(address: str) -> bool:
     return address in ("127.0.0.1", "::1", "::ffff:127.0.0.1") or address.startswith("127.")
 
 
+def uid_of(pid: int) -> int | None:
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid
+    except OSError:
+        return None
+
+
 def comm(pid: int | None) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -228,7 +236,13 @@ def exposed_listeners(before: set[tuple[str, int]]) -> tuple[list, list]:
 
 def test_services_and_task_launched_spark_drivers_listen_on_loopback_only_except_slurmdbd(api):
     """Every socket of every process `make up` started and of every child, sampled while a DAG run launches a
-    Spark driver (spark-submit in client mode under the scheduler's LocalExecutor): 127.0.0.1 only."""
+    Spark driver (spark-submit in client mode under the scheduler's LocalExecutor): 127.0.0.1 only. The same
+    samples check who runs them: every process of Airflow's and Spark's trees (task processes and drivers
+    included) is the unprivileged service user, never root."""
+    import pwd
+
+    service_uid = pwd.getpwnam(os.environ.get("HYBRIDFLOW_SERVICE_USER", "hybridflow")).pw_uid
+    identities: dict[int, tuple[str, str, int | None]] = {}
     owners = service_pids()
     before = {(a, p) for a, p, pid in listeners() if pid not in owners}
     run_id = trigger(api, "platform_healthcheck", {"run_spark": True})
@@ -244,6 +258,9 @@ def test_services_and_task_launched_spark_drivers_listen_on_loopback_only_except
             if owner.startswith("airflow") and comm(pid) == "java":
                 drivers.add((a, p))
         stray.update({(a, p): c for a, p, _, c in new_stray})
+        for pid, owner in service_pids().items():
+            if owner.startswith(("airflow", "spark")) and uid_of(pid) is not None:
+                identities[pid] = (owner, comm(pid), uid_of(pid))
         state = api.get(f"/api/v2/dags/platform_healthcheck/dagRuns/{run_id}")["state"]
         if state in ("success", "failed"):
             break
@@ -253,8 +270,15 @@ def test_services_and_task_launched_spark_drivers_listen_on_loopback_only_except
           f"loopback={sum(is_loopback(a) for a, _, _ in seen)} spark_driver_sockets={len(drivers)} "
           f"non_loopback={','.join(f'{o}:{a}:{p}' for o, a, p in exposed) or 'none'} "
           f"new_non_loopback_outside_the_stack={','.join(f'{c}:{a}:{p}' for (a, p), c in stray.items()) or 'none'}")
+    privileged = sorted({(o, c, u) for o, c, u in identities.values() if u != service_uid})
+    print(f"RELIABILITY service_user uid={service_uid} processes={len(identities)} "
+          f"airflow_java={sum(o.startswith('airflow') and c == 'java' for o, c, _ in identities.values())} "
+          f"not_service_user={','.join(f'{o}:{c}:{u}' for o, c, u in privileged) or 'none'}")
     assert state == "success", f"platform_healthcheck run {run_id} ended {state}"
     assert drivers, "no task-launched Spark driver socket was seen: the sample did not cover the driver"
+    assert any(o.startswith("airflow") and c == "java" for o, c, _ in identities.values()), identities
+    assert {o.split("-")[0] for o, _, _ in identities.values()} == {"airflow", "spark"}, identities
+    assert not privileged, f"processes of Airflow or Spark not running as uid {service_uid}: {privileged}"
     assert all(is_loopback(a) for a, _ in drivers), drivers
     assert {p for _, _, p in exposed} <= SLURM_WILDCARD_PORTS, exposed
     assert {o for o, _, _ in exposed} <= {"slurmdbd"}, exposed
@@ -279,9 +303,20 @@ def test_slurm_jobs_run_as_the_unprivileged_job_user(stack):
 
 
 def test_state_is_for_root_only_and_secret_files_are_0600(stack):
-    """Keys, tokens, passwords and logs live under .state: 0700 for root, and each secret file 0600 itself."""
-    assert STATE.stat().st_uid == 0 and STATE.stat().st_mode & 0o777 == 0o700
-    for sub in ("run", "logs", "secrets", "ssh", "airflow"):
+    """Keys, tokens, passwords and logs live under .state: root's, passable (0710) only by the service user's
+    group, to reach its own Airflow home, SSH key and Spark folders; everything else root's; no secret file
+    open to group or others."""
+    import grp
+    import pwd
+
+    service = pwd.getpwnam(stack.get("HYBRIDFLOW_SERVICE_USER", "hybridflow"))
+    assert (STATE.stat().st_uid, STATE.stat().st_gid, STATE.stat().st_mode & 0o777) == (0, service.pw_gid, 0o710)
+    assert set(grp.getgrgid(service.pw_gid).gr_mem) <= {service.pw_name, stack.get("HYBRIDFLOW_JOB_USER", "mlops")}
+    for sub in ("run", "logs", "secrets"):
+        assert (STATE / sub).stat().st_uid == 0, f"{STATE / sub} is not root's"
+    for sub in ("ssh", "airflow", "spark"):
+        assert (STATE / sub).stat().st_uid == service.pw_uid, f"{STATE / sub} is not {service.pw_name}'s"
+    for sub in ("run", "logs", "secrets", "ssh", "airflow", "spark"):
         assert (STATE / sub).stat().st_mode & 0o077 == 0, f"{STATE / sub} is open to group or others"
     secret_files = [*(STATE / "secrets").iterdir(), STATE / "ssh" / "id_ed25519", STATE / "airflow-env.json",
                     STATE / "airflow" / "passwords.json", STATE / "airflow" / "airflow.cfg",

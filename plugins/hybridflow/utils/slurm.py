@@ -374,7 +374,7 @@ def srun_argv(spec: SlurmJobSpec) -> list[str]:
 def render_sbatch_script(spec: SlurmJobSpec) -> str:
     """The complete batch script for ``spec``, to be passed to ``sbatch --parsable`` on stdin.
 
-    Layout: shebang, one ``#SBATCH`` line per set option in a fixed order, ``set -euo pipefail``, the
+    Layout: shebang, one ``#SBATCH`` line per set option in a fixed order, ``set -euo pipefail``, ``umask``, the
     exports, the setup lines, then ``exec`` of the quoted command, or of the ``srun`` step that starts it
     once per rank (``ranks_per_node``).
 
@@ -383,7 +383,9 @@ def render_sbatch_script(spec: SlurmJobSpec) -> str:
     USR2 ended the job FAILED 0:12 and the child never saw it). A job of ranks gets ``--signal=...`` without
     ``B:``: Slurm then signals every task of the srun step, so every rank sees it, and not the batch shell.
     """
-    lines = ["#!/bin/bash", *_sbatch_directives(spec), "set -euo pipefail"]
+    # umask 0002: what a job writes in the shared storage stays writable by the storage group, which Airflow's
+    # service user shares with the job user (it publishes, replaces and cleans up beside the jobs).
+    lines = ["#!/bin/bash", *_sbatch_directives(spec), "set -euo pipefail", "umask 0002"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in spec.env.items()]
     lines += spec.setup_lines
     lines.append(f"exec {shlex.join(srun_argv(spec) if spec.ranks_per_node else spec.command)}")

@@ -138,6 +138,7 @@ def test_minimal_spec_renders_only_what_is_set():
         "#SBATCH --cpus-per-task=1\n"
         "#SBATCH --no-requeue\n"
         "set -euo pipefail\n"
+        "umask 0002\n"
         "exec true\n"
     )
 
@@ -246,6 +247,7 @@ def test_setup_lines_follow_exports_and_precede_the_command_verbatim():
     body = script.splitlines()[script.splitlines().index("set -euo pipefail") :]
     assert body == [
         "set -euo pipefail",
+        "umask 0002",
         "export X=1",
         "module load cuda/12.4",
         "source $VENV/bin/activate",

@@ -12,6 +12,7 @@
 #SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 set -euo pipefail
+umask 0002
 export HF_CONFIG=/x/y.json
 export PYTHONUNBUFFERED=1
 source /opt/hybridflow/venv/bin/activate
