@@ -206,6 +206,24 @@ class AlertsConfig:
 
 
 @dataclass(frozen=True)
+class ReconcilerConfig:
+    """The Slurm orphan reconciler: when it runs, and how old a job whose task is not live must be to be cancelled
+    (by its submit time, on the cluster's clock)."""
+
+    schedule: str = "*/5 * * * *"
+    grace_s: int = 300
+    deployment: str = "default"  # utils.slurm_jobs.DEFAULT_DEPLOYMENT
+
+    def validate(self, where: str) -> None:
+        from hybridflow.utils.reconcile import MAX_GRACE_S
+
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.deployment):
+            raise ConfigError(f"{where}.deployment: {self.deployment!r}; expected 1-64 letters, digits, '_', '.', '-'")
+        if not 0 <= self.grace_s <= MAX_GRACE_S:
+            raise ConfigError(f"{where}.grace_s: {self.grace_s}; expected seconds from 0 to {MAX_GRACE_S}")
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     cluster: ClusterConfig
     storage: StorageConfig
@@ -215,6 +233,7 @@ class PipelineConfig:
     nightly: NightlyConfig
     costs: CostConfig
     alerts: AlertsConfig
+    reconciler: ReconcilerConfig
 
 
 def expand_env(value: str, where: str) -> str:

@@ -68,6 +68,10 @@ def mutate(path: str, value):
         ("nightly.simulate_raw_rows", "${ROWS_FROM_ENV:-many}", "simulate_raw_rows: expected int, got str 'many'"),
         ("spark.driver_memory", "lots", "pipeline.spark.driver_memory: 'lots'; expected a size such as 1g"),
         ("costs.gpu_hour_usd", -1, "costs.gpu_hour_usd: -1.0; a price cannot be negative"),
+        ("reconciler.grace_s", -1, "pipeline.reconciler.grace_s: -1; expected seconds from 0 to 86400"),
+        ("reconciler.grace_s", 86_401, "pipeline.reconciler.grace_s: 86401; expected seconds from 0 to 86400"),
+        ("reconciler.grace_s", "5m", "pipeline.reconciler.grace_s: expected int, got str '5m'"),
+        ("reconciler", KeyError, "pipeline.reconciler: missing"),
     ],
 )
 def test_config_mistakes_name_file_key_and_type(tmp_path, path, value, message):

@@ -388,3 +388,46 @@ def test_notifier_failed_delivery_raises_and_is_retried_next_time(tmp_path, monk
     notifier(context_for())
     assert len(recorder.requests) == 2, "a failed delivery does not count for the dedup window"
     assert len(read_lines(tmp_path / "alerts.jsonl")) == 2
+
+
+# --- alerts of kind "action": a task that did something on-call must know of ---------------------------------
+
+RECONCILER_RUN = "scheduled__2026-12-02T03:15:00+00:00"
+
+
+def action_alert(**changes):
+    fields = dict(dag_id="slurm_reconciler", run_id=RECONCILER_RUN, task_id="reconcile", try_number=1,
+                  error="cancelled 1 orphaned Slurm job(s) of the suite", job_id="512",
+                  remote_log_tail="slurm job 512 name=hf-x ... decision=cancel: ... -> CANCELLED (per scontrol)",
+                  kind="action", now=NOW)
+    return build_alert(**(fields | changes))
+
+
+def test_notifier_action_alert_says_what_was_done_not_failed():
+    alert = action_alert()
+    text = alert.text()
+    assert text.startswith("[hybridflow] ACTION slurm_reconciler / stage slurm_reconciler (task reconcile, try 1)")
+    for fragment in ("remote job: 512", "what: cancelled 1 orphaned Slurm job(s)",
+                     "runbook: include/runbooks/slurm-reconciler.md", "details:\nslurm job 512 name=hf-x"):
+        assert fragment in text
+    assert "FAILED" not in text and "error:" not in text
+    assert (alert.to_json()["kind"], alert.dedup_key) == ("action", f"action:slurm_reconciler:slurm_reconciler:"
+                                                                    f"{RECONCILER_RUN}")
+    assert build_alert(dag_id="d", run_id="r", task_id="t", try_number=1, error="x").kind == "failure"
+
+
+def test_notifier_alert_kind_must_be_known():
+    with pytest.raises(ValueError, match="alert kind 'notice' is not one of failure, action"):
+        action_alert(kind="notice")
+
+
+def test_notifier_send_delivers_an_action_once_and_a_later_failure_of_the_run_still_alerts(tmp_path):
+    clock = FakeClock(1_000_000.0)
+    alerts = tmp_path / "alerts.jsonl"
+    notifier = OnCallNotifier(dedup_window_s=3600, alerts_file=str(alerts), clock=clock)
+    notifier.send(action_alert())
+    notifier.send(action_alert())  # the same run's retry: suppressed
+    notifier(context_for(task_id="reconcile", dag_id="slurm_reconciler", run_id=RECONCILER_RUN, try_number=1,
+                         exception=SlurmJobFailed("scancel did not end Slurm job 513 within 30 s")))
+    assert [(line["kind"], line["job_id"]) for line in read_lines(alerts)] == [("action", "512"),
+                                                                               ("failure", "513")]

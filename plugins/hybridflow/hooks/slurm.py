@@ -15,6 +15,13 @@ from airflow.sdk import BaseHook
 
 from hybridflow.exceptions import SlurmConnectionError, SlurmConnectionLost, SlurmSubmitError
 from hybridflow.utils.capacity import CapacityVerdict, capacity_sinfo_argv, capacity_squeue_argv, capacity_verdict
+from hybridflow.utils.reconcile import (
+    CLUSTER_CLOCK_ARGV,
+    JobListing,
+    parse_cluster_clock,
+    parse_user_jobs,
+    user_jobs_argv,
+)
 from hybridflow.utils.slurm import parse_sbatch_parsable, parse_sinfo_gpus, parse_squeue
 from hybridflow.utils.slurm_jobs import (
     SlurmJobStatus,
@@ -160,6 +167,25 @@ class SlurmHook(BaseHook):
         accounted = self.run(sacct_by_name_argv(name))
         ids = job_ids_by_name(queued.stdout, accounted.stdout, name)
         return [status for status in map(self.status, ids) if status is not None]
+
+    @property
+    def job_user(self) -> str:
+        """The user the suite's jobs run as: the connection's login, since every job is submitted through it."""
+        return self.ssh_hook.username
+
+    def user_jobs(self, user: str | None = None) -> JobListing:
+        """Every job of ``user`` (default :attr:`job_user`) that the controller still queues or runs, with the
+        cluster's clock read just before (so an age is never overstated). squeue exits 0 for a user it does not
+        know: anything it prints on stderr is an error here."""
+        user = user or self.job_user
+        clock = self.run(list(CLUSTER_CLOCK_ARGV))
+        listed = self.run(user_jobs_argv(user))
+        if listed.returncode != 0 or listed.stderr.strip():
+            raise SlurmConnectionError(f"squeue for user {user!r} on {self.endpoint} failed (exit "
+                                       f"{listed.returncode}): {listed.stderr.strip()}")
+        jobs, unreadable = parse_user_jobs(listed.stdout)
+        return JobListing(user=user, now_s=parse_cluster_clock(clock.stdout), jobs=tuple(jobs),
+                          unreadable=tuple(unreadable))
 
     def cancel(self, job_id: str, wait_s: float = 15) -> SlurmJobStatus | None:
         """scancel, then confirm from the job's state: scancel exits 0 even for jobs it did not touch."""

@@ -10,7 +10,8 @@ another run of the DAG is a new alert. The suppression is logged.
 
 Use it as a task callback (``default_args={"on_failure_callback": OnCallNotifier()}``) so the alert carries
 the stage, the exception and the task's XComs; as a DAG callback it falls back to the run's last task and its
-reason.
+reason. A task that did something on-call must know of (the orphan reconciler cancelling jobs) sends an alert of
+kind ``action`` through the same sinks with :meth:`OnCallNotifier.send`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ RUNBOOKS: dict[str, str] = {
     "oncall_rollback_model": "include/runbooks/oncall.md",
     "oncall_training_job": "include/runbooks/oncall.md",
     "platform_healthcheck": "include/runbooks/platform-healthcheck.md",
+    "slurm_reconciler": "include/runbooks/slurm-reconciler.md",
 }
+FAILURE, ACTION = "failure", "action"
+ALERT_KINDS = (FAILURE, ACTION)
 
 REDACTED = "[REDACTED]"
 _SECRET_KEY_NAME = (r"[\w.-]*?(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key)"
@@ -151,26 +155,33 @@ class Alert:
     runbook: str
     at: str
     log_url: str | None = None
+    kind: str = FAILURE
 
     @property
     def dedup_key(self) -> str:
         """One alert per stage of a DAG run: ``<dag>:<stage>:<run>`` (the run id last: it may hold colons, a
-        DAG id or a stage cannot)."""
-        return f"{self.dag_id}:{self.stage}:{self.run_id}"
+        DAG id or a stage cannot); an action is keyed apart (``action:<dag>:<stage>:<run>``), so a failure of the
+        same run after it still alerts."""
+        key = f"{self.dag_id}:{self.stage}:{self.run_id}"
+        return key if self.kind == FAILURE else f"{self.kind}:{key}"
 
     def text(self) -> str:
-        """The human-readable message: what failed, where, the remote job, the runbook, the log tail."""
+        """The human-readable message: what failed (or was done), where, the remote job, the runbook, the log
+        tail (an action's details)."""
         task = f"task {self.task_id}" if self.task_id else "the DAG run"
+        failure = self.kind == FAILURE
         lines = [
-            f"[hybridflow] FAILED {self.dag_id} / stage {self.stage} ({task}, try {self.try_number or '?'})",
+            f"[hybridflow] {'FAILED' if failure else self.kind.upper()} {self.dag_id} / stage {self.stage} ({task}, "
+            f"try {self.try_number or '?'})",
             f"run: {self.run_id}",
             f"remote job: {self.job_id or 'none'}",
-            f"error: {self.error}",
+            f"{'error' if failure else 'what'}: {self.error}",
             f"runbook: {self.runbook}",
         ]
         if self.log_url:
             lines.append(f"log: {self.log_url}")
-        lines.append("last log lines:" if self.log_tail else "last log lines: (none)")
+        tail_title = "last log lines" if failure else "details"
+        lines.append(f"{tail_title}:" if self.log_tail else f"{tail_title}: (none)")
         if self.log_tail:
             lines.append(self.log_tail)
         return "\n".join(lines)
@@ -181,13 +192,17 @@ class Alert:
 
 def build_alert(*, dag_id: str, run_id: str, task_id: str | None, try_number: int | None, error: Any,
                 job_id: Any = None, remote_log_tail: str | None = None, default_stage: str | None = None,
-                log_lines: int = 40, log_url: str | None = None, now: datetime | None = None) -> Alert:
+                log_lines: int = 40, log_url: str | None = None, now: datetime | None = None,
+                kind: str = FAILURE) -> Alert:
     """
     The alert of a failure, every text field scrubbed of secrets (whole texts are scrubbed before they are
     cut, so a key block that starts above the tail is still recognized). The log tail is the remote job's
     (``remote_log_tail``, or the one the operator put in its error), else the error's own last lines; the job
-    id is the one given, else the Slurm job the error names.
+    id is the one given, else the Slurm job the error names. ``kind="action"``: ``error`` says what a task did
+    and ``remote_log_tail`` holds its details.
     """
+    if kind not in ALERT_KINDS:
+        raise ValueError(f"alert kind {kind!r} is not one of {', '.join(ALERT_KINDS)}")
     error_text = error if isinstance(error, str) else (f"{type(error).__name__}: {error}" if error else "")
     error_text = scrub(error_text)
     first_line = error_text.strip().splitlines()[0] if error_text.strip() else "(no error text)"
@@ -207,6 +222,7 @@ def build_alert(*, dag_id: str, run_id: str, task_id: str | None, try_number: in
         runbook=runbook_for(stage),
         at=(now or datetime.now(UTC)).isoformat(),
         log_url=log_url,
+        kind=kind,
     )
 
 
@@ -390,8 +406,13 @@ class OnCallNotifier(BaseNotifier):
 
     def notify(self, context) -> None:
         now = self.clock()
-        alert = alert_from_context(context, default_stage=self.stage, log_lines=self.log_lines,
-                                   now=datetime.fromtimestamp(now, UTC), log=self.log)
+        self.send(alert_from_context(context, default_stage=self.stage, log_lines=self.log_lines,
+                                     now=datetime.fromtimestamp(now, UTC), log=self.log), now)
+
+    def send(self, alert: Alert, now: float | None = None) -> None:
+        """Delivers ``alert`` (a failure's, or an action's built with :func:`build_alert`) to the local sink and
+        the webhook, once per dedup key within the window."""
+        now = self.clock() if now is None else now
         alerts_file = Path(self.alerts_file) if self.alerts_file else default_alerts_file()
         state_file = Path(self.state_dir or alerts_file.parent) / DEDUP_STATE_NAME
         if not claim(state_file, alert.dedup_key, now, self.dedup_window_s):

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
     from hybridflow.hooks.slurm import SlurmHook
-    from hybridflow.utils.slurm_jobs import SlurmJobStatus
+    from hybridflow.utils.slurm_jobs import SlurmJobKey, SlurmJobStatus
 
 XCOM_JOB_ID = "slurm_job_id"
 DEFAULT_RUNBOOK = "include/runbooks/training.md"
@@ -30,7 +30,9 @@ class SlurmSubmitOperator(BaseOperator):
     Safe against duplicates: the job's name is derived from the DAG, task and run; before submitting, the
     operator looks the name up in the queue and in accounting and follows a live job (or one that already
     succeeded) instead of submitting again, so a retry, a killed worker or a restarted triggerer never runs
-    the job twice. While deferred it logs the job's progress file; ``on_kill`` cancels the job.
+    the job twice. While deferred it logs the job's progress file; ``on_kill`` cancels the job. The job's
+    comment names its task instance (:class:`~hybridflow.utils.slurm_jobs.SlurmJobKey`), so the orphan reconciler
+    can cancel a job whose task stopped without hearing of it.
 
     :param command: argv of the job's program; every element is quoted (templated).
     :param partition: Slurm partition (templated).
@@ -118,14 +120,19 @@ class SlurmSubmitOperator(BaseOperator):
 
         return SlurmHook(self.ssh_conn_id)
 
-    def job_name(self, context: Context) -> str:
-        from hybridflow.utils.slurm import deterministic_job_name
+    def job_key(self, context: Context) -> SlurmJobKey:
+        """The task instance this job runs for; it makes the job's name and comment."""
+        from hybridflow.config import pipeline_config
+        from hybridflow.utils.slurm_jobs import SlurmJobKey
 
         ti = context["ti"]
-        task_id = ti.task_id if ti.map_index < 0 else f"{ti.task_id}.{ti.map_index}"
-        return deterministic_job_name(ti.dag_id, task_id, ti.run_id)
+        return SlurmJobKey(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, map_index=ti.map_index,
+                           deployment=pipeline_config().reconciler.deployment)
 
-    def build_spec(self, name: str):
+    def job_name(self, context: Context) -> str:
+        return self.job_key(context).job_name
+
+    def build_spec(self, name: str, comment: str | None = None):
         from hybridflow.utils.slurm import SlurmJobSpec
 
         time_limit = int(self.time_limit) if str(self.time_limit).isdigit() else self.time_limit
@@ -136,15 +143,16 @@ class SlurmSubmitOperator(BaseOperator):
             cpus_per_task=self.cpus_per_task,
             mem=self.mem, time_limit=time_limit, account=self.account, qos=self.qos, constraint=self.constraint,
             signal=self.signal, requeue=self.requeue, output=f"{self.log_dir}/%x-%j.out",
-            error=f"{self.log_dir}/%x-%j.err", setup_lines=self.setup_lines, env=self.env,
+            error=f"{self.log_dir}/%x-%j.err", comment=comment, setup_lines=self.setup_lines, env=self.env,
         )
 
     def execute(self, context: Context) -> dict:
         from hybridflow.utils.slurm import render_sbatch_script
         from hybridflow.utils.slurm_jobs import job_to_reattach
 
-        name = self.job_name(context)
-        spec = self.build_spec(name)  # validates every field before anything touches the cluster
+        key = self.job_key(context)
+        name = key.job_name
+        spec = self.build_spec(name, key.comment())  # validates every field before anything touches the cluster
         existing = job_to_reattach(self.hook.find_by_name(name), self.requeue)
         if existing is not None:
             self.log.info("Reattaching to Slurm job %s (%s, %s) instead of submitting again", existing.job_id,

@@ -12,7 +12,7 @@ from hybridflow.operators.slurm import SlurmSubmitOperator
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from hybridflow.utils.slurm_jobs import SlurmJobStatus
+    from hybridflow.utils.slurm_jobs import SlurmJobKey, SlurmJobStatus
 
 
 
@@ -47,16 +47,12 @@ class GenerationSlurmSubmitOperator(SlurmSubmitOperator):
         super().__init__(**kwargs)
         self.retrain = retrain
 
-    def job_name(self, context: Context) -> str:
-        from hybridflow.utils.slurm import deterministic_job_name
-        from hybridflow.utils.slurm_jobs import generation, generation_task_key
+    def job_key(self, context: Context) -> SlurmJobKey:
+        from dataclasses import replace
 
-        retrain = generation(self.retrain)
-        if retrain == 0:
-            return super().job_name(context)
-        ti = context["ti"]
-        task_id = ti.task_id if ti.map_index < 0 else f"{ti.task_id}.{ti.map_index}"
-        return deterministic_job_name(ti.dag_id, generation_task_key(task_id, retrain), ti.run_id)
+        from hybridflow.utils.slurm_jobs import generation
+
+        return replace(super().job_key(context), retrain=generation(self.retrain))
 
 
 class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):

@@ -23,6 +23,7 @@ from datetime import datetime
 from hybridflow.exceptions import InvalidJobSpecError, SlurmOutputParseError
 
 __all__ = [
+    "JOB_COMMENT_MAX_BYTES",
     "JOB_NAME_MAX_LENGTH",
     "NON_FINAL_STATES",
     "REQUEUE_PENDING_STATES",
@@ -55,6 +56,8 @@ __all__ = [
 ]
 
 JOB_NAME_MAX_LENGTH = 200
+# slurmctld refuses a longer --comment ("parameter too long"; measured on 22.05.8: 1024 bytes taken, 1025 not).
+JOB_COMMENT_MAX_BYTES = 1024
 _JOB_NAME_DIGEST_LENGTH = 16
 
 # --- Job states ---------------------------------------------------------------------------------------------
@@ -214,6 +217,8 @@ class SlurmJobSpec:
     :param output: stdout path; Slurm patterns such as ``%x`` and ``%j`` are allowed.
     :param error: stderr path; defaults to ``output`` in Slurm when unset.
     :param workdir: working directory of the job (``--chdir``).
+    :param comment: the job's comment (``--comment``), at most 1024 bytes; the suite's operators put the job's
+        task instance there (:class:`hybridflow.utils.slurm_jobs.SlurmJobKey`) for the orphan reconciler.
     :param setup_lines: shell lines run before the command, verbatim and unquoted. They are trusted
         configuration read from ``include/`` (module loads, venv activation), never user input; each element
         is one line. They run under ``set -euo pipefail``.
@@ -238,14 +243,17 @@ class SlurmJobSpec:
     output: str | None = None
     error: str | None = None
     workdir: str | None = None
+    comment: str | None = None
     setup_lines: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         self._validate_names()
         self._validate_resources()
-        for field_name in ("output", "error", "workdir"):
+        for field_name in ("output", "error", "workdir", "comment"):
             _check_directive_text(field_name, getattr(self, field_name))
+        if self.comment is not None and len(self.comment.encode()) > JOB_COMMENT_MAX_BYTES:
+            raise _fail("comment", self.comment, f"use at most {JOB_COMMENT_MAX_BYTES} bytes (slurmctld refuses more)")
         if not isinstance(self.requeue, bool):
             raise _fail("requeue", self.requeue, "use True or False")
         self._validate_script_body()
@@ -354,6 +362,8 @@ def _sbatch_directives(spec: SlurmJobSpec) -> list[str]:
         lines.append("#SBATCH --open-mode=append")
     paths = [("chdir", spec.workdir), ("output", spec.output), ("error", spec.error)]
     lines += [f"#SBATCH --{flag}={shlex.quote(value)}" for flag, value in paths if value is not None]
+    if spec.comment is not None:
+        lines.append(f"#SBATCH --comment={shlex.quote(spec.comment)}")
     return lines
 
 

@@ -2,11 +2,12 @@
 
 The sync hook (operators, sensors) and the async hook (triggers) run the same argv lists and feed the output
 to the same functions, so both sides agree on what a job's state is. Also which job a task follows: the reattach
-rule and the training generation (a new job asked for on purpose).
+rule, the training generation (a new job asked for on purpose) and the job key (which task instance a job runs for).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -14,10 +15,13 @@ from typing import Any
 
 from hybridflow.exceptions import InvalidJobSpecError
 from hybridflow.utils.slurm import (
+    _DIRECTIVE_BREAKERS_RE,
+    JOB_COMMENT_MAX_BYTES,
     SACCT_FORMAT,
     SQUEUE_FORMAT,
     SUCCESS_STATES,
     _parse_duration,
+    deterministic_job_name,
     is_final,
     latest_by_job_id,
     normalise_state,
@@ -172,3 +176,68 @@ def generation_run_dir(run_dir: str, generation: int) -> str:
         return run_dir
     base, suffix = run_dir.rstrip("/") or run_dir, f".retrain-{generation}"
     return base if base.endswith(suffix) else base + suffix
+
+
+# --- Job keys: which task instance a job runs for -------------------------------------------------------------
+# A job's name comes from its task instance but cannot be read back: the ids are sanitised and shortened, and a
+# digest ends it. So the operator also writes the task instance into the job's comment, as JSON; the orphan
+# reconciler reads it back and believes it only when it gives back the job's own name. A job without one (submitted
+# before keys existed, or not by the suite's operators) has no task instance to judge and is never touched.
+
+JOB_KEY_VERSION = 1
+DEFAULT_DEPLOYMENT = "default"  # pipeline.yaml reconciler.deployment when HYBRIDFLOW_DEPLOYMENT is not set
+_JOB_KEY_FIELDS = {"dag_id": str, "run_id": str, "task_id": str, "map_index": int, "retrain": int,
+                   "deployment": str, "v": int}
+
+
+@dataclass(frozen=True)
+class SlurmJobKey:
+    """The task instance a job of the suite's runs for (and its training generation); it makes the job's name.
+
+    :param map_index: the mapped task's index, -1 for a task that is not mapped.
+    :param retrain: the training generation (:func:`generation`); 0 for every job that is not a retrain.
+    :param deployment: the Airflow deployment that submitted it (pipeline.yaml ``reconciler.deployment``).
+    """
+
+    dag_id: str
+    run_id: str
+    task_id: str
+    map_index: int = -1
+    retrain: int = 0
+    deployment: str = DEFAULT_DEPLOYMENT
+
+    @property
+    def job_name(self) -> str:
+        """The job's name: ``<task_id>[.<map_index>][@retrain-N]`` in :func:`deterministic_job_name`."""
+        task = self.task_id if self.map_index < 0 else f"{self.task_id}.{self.map_index}"
+        return deterministic_job_name(self.dag_id, generation_task_key(task, self.retrain), self.run_id)
+
+    def comment(self) -> str | None:
+        """The key as the job's comment (compact JSON), or None where sbatch could not carry it intact: a comment
+        over ``JOB_COMMENT_MAX_BYTES``, or one holding a backslash or a control character (an ``#SBATCH`` line
+        drops backslashes). Airflow's ids never need either by default; a job without a key is never reconciled."""
+        text = json.dumps({"dag_id": self.dag_id, "run_id": self.run_id, "task_id": self.task_id,
+                           "map_index": self.map_index, "retrain": self.retrain, "deployment": self.deployment,
+                           "v": JOB_KEY_VERSION},
+                          ensure_ascii=False, separators=(",", ":"))
+        if _DIRECTIVE_BREAKERS_RE.search(text) or len(text.encode()) > JOB_COMMENT_MAX_BYTES:
+            return None
+        return text
+
+    @classmethod
+    def from_comment(cls, text: str) -> SlurmJobKey | None:
+        """The key a job's comment holds, or None for any comment that is not exactly one."""
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or data.keys() != _JOB_KEY_FIELDS.keys() or data["v"] != JOB_KEY_VERSION:
+            return None
+        if any(type(data[name]) is not kind for name, kind in _JOB_KEY_FIELDS.items()):  # bool is not an int here
+            return None
+        if not all((data["dag_id"], data["run_id"], data["task_id"])) or data["map_index"] < -1:
+            return None
+        if not 0 <= data["retrain"] <= MAX_GENERATION:
+            return None
+        return cls(dag_id=data["dag_id"], run_id=data["run_id"], task_id=data["task_id"],
+                   map_index=data["map_index"], retrain=data["retrain"], deployment=data["deployment"])

@@ -1,10 +1,15 @@
-"""Tracking one Slurm job: statuses from scontrol/sacct answers and the reattach rule, by tables."""
+"""Tracking one Slurm job: statuses from scontrol/sacct answers, the reattach rule and the job key, by tables."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 from hybridflow.utils.progress import describe_progress
+from hybridflow.utils.slurm import JOB_COMMENT_MAX_BYTES, deterministic_job_name, render_sbatch_script
 from hybridflow.utils.slurm_jobs import (
+    SlurmJobKey,
     SlurmJobStatus,
     job_ids_by_name,
     job_to_reattach,
@@ -125,3 +130,94 @@ def test_slurm_status_event_round_trip():
 )
 def test_slurm_progress_line(progress, expected):
     assert describe_progress(progress) == expected
+
+
+# --- the job key: which task instance a job runs for ------------------------------------------------------------
+
+RUN_ID = "manual__2026-12-01T02:30:00+00:00"
+
+
+@pytest.mark.parametrize(
+    "key, task_key",
+    [
+        (SlurmJobKey("nightly_training", RUN_ID, "training.train"), "training.train"),
+        (SlurmJobKey("workload_router", RUN_ID, "run_on_gpu_slurm", map_index=0), "run_on_gpu_slurm.0"),
+        (SlurmJobKey("nightly_training", RUN_ID, "training.train", retrain=3), "training.train@retrain-3"),
+        (SlurmJobKey("d", RUN_ID, "t", map_index=7, retrain=1), "t.7@retrain-1"),
+    ],
+    ids=["plain", "mapped", "retrain", "mapped-retrain"],
+)
+def test_job_key_makes_the_names_the_operators_always_gave(key, task_key):
+    assert key.job_name == deterministic_job_name(key.dag_id, task_key, key.run_id)
+    assert SlurmJobKey.from_comment(key.comment()) == key
+
+
+def test_job_key_comment_is_compact_json_naming_the_task_instance():
+    key = SlurmJobKey("nightly_training", RUN_ID, "training.train")
+    assert key.comment() == ('{"dag_id":"nightly_training","run_id":"manual__2026-12-01T02:30:00+00:00",'
+                             '"task_id":"training.train","map_index":-1,"retrain":0,"deployment":"default","v":1}')
+
+
+@pytest.mark.parametrize(
+    "key",
+    [SlurmJobKey("d", 'run"quoted', "t"), SlurmJobKey("d", "run\\back", "t"), SlurmJobKey("d", "r\nline", "t"),
+     SlurmJobKey("d" * 250, "r" * 250, "t" * (JOB_COMMENT_MAX_BYTES - 500))],
+    ids=["double-quote", "backslash", "newline", "too-long"],
+)
+def test_job_key_without_a_comment_sbatch_could_carry_intact(key):
+    """An #SBATCH line drops backslashes (JSON escapes need them) and slurmctld refuses over 1024 bytes: no key,
+    and the reconciler never touches such a job."""
+    assert key.comment() is None
+
+
+def test_job_key_of_the_longest_airflow_ids_fits():
+    assert SlurmJobKey("d" * 250, "r" * 250, "t" * 250, map_index=99_999, retrain=1000,
+                       deployment="x" * 64).comment() is not None
+
+
+GOOD_KEY = {"dag_id": "d", "run_id": "r", "task_id": "t", "map_index": -1, "retrain": 0, "deployment": "local-1",
+            "v": 1}
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "not json", "[]", "null", json.dumps({**GOOD_KEY, "v": 2}), json.dumps({**GOOD_KEY, "extra": 1}),
+     json.dumps({k: v for k, v in GOOD_KEY.items() if k != "retrain"}), json.dumps({**GOOD_KEY, "dag_id": ""}),
+     json.dumps({**GOOD_KEY, "map_index": -2}), json.dumps({**GOOD_KEY, "map_index": "0"}),
+     json.dumps({**GOOD_KEY, "map_index": True}), json.dumps({**GOOD_KEY, "retrain": 1001}),
+     json.dumps({**GOOD_KEY, "retrain": 1.0}), json.dumps({**GOOD_KEY, "task_id": None}),
+     json.dumps({k: v for k, v in GOOD_KEY.items() if k != "deployment"}), json.dumps({**GOOD_KEY, "deployment": 1})],
+)
+def test_job_key_from_any_other_comment_is_none(text):
+    assert SlurmJobKey.from_comment(text) is None
+
+
+def test_job_key_from_comment():
+    assert SlurmJobKey.from_comment(json.dumps(GOOD_KEY)) == SlurmJobKey("d", "r", "t", deployment="local-1")
+
+
+def context_for(dag_id="nightly_training", task_id="training.train", map_index=-1):
+    return {"ti": SimpleNamespace(dag_id=dag_id, task_id=task_id, map_index=map_index, run_id=RUN_ID), "params": {}}
+
+
+@pytest.mark.parametrize("map_index", [-1, 4])
+def test_job_key_is_in_the_script_the_operator_submits(map_index):
+    from hybridflow.operators.slurm import SlurmSubmitOperator
+
+    op = SlurmSubmitOperator(task_id="run_on_gpu_slurm", command=["true"], partition="cpu", log_dir="/l")
+    key = op.job_key(context_for("workload_router", "run_on_gpu_slurm", map_index))
+    assert key == SlurmJobKey("workload_router", RUN_ID, "run_on_gpu_slurm", map_index=map_index)
+    script = render_sbatch_script(op.build_spec(key.job_name, key.comment()))
+    assert f"#SBATCH --job-name={key.job_name}\n" in script
+    assert f"#SBATCH --comment='{key.comment()}'\n" in script
+
+
+def test_job_key_of_a_training_generation_names_its_generation():
+    from hybridflow.operators.training import DeepSpeedTrainingOperator
+
+    op = DeepSpeedTrainingOperator(task_id="train", run_config={}, run_dir="/runs/r", python="/py", jobs_dir="/j",
+                                   partition="gpu-training", retrain="{{ params.retrain }}")
+    op.render_template_fields({**context_for(task_id="training.train"), "params": {"retrain": 2}})
+    key = op.job_key(context_for(task_id="training.train"))
+    assert key == SlurmJobKey("nightly_training", RUN_ID, "training.train", retrain=2)
+    assert op.job_name(context_for(task_id="training.train")) == key.job_name

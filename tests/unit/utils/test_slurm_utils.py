@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from hybridflow.exceptions import HybridflowError, InvalidJobSpecError, SlurmOutputParseError
 from hybridflow.utils.slurm import (
+    JOB_COMMENT_MAX_BYTES,
     JOB_NAME_MAX_LENGTH,
     SACCT_FORMAT,
     SINFO_GPU_FORMAT,
@@ -172,6 +173,7 @@ def test_ranks_without_gpus_start_an_srun_step_without_gpu_binding():
         ({"requeue": False}, "#SBATCH --no-requeue"),
         ({"requeue": True}, "#SBATCH --open-mode=append"),
         ({"output": "/logs/it's %j.out"}, "#SBATCH --output='/logs/it'\"'\"'s %j.out'"),
+        ({"comment": '{"dag_id":"d","v":1}'}, """#SBATCH --comment='{"dag_id":"d","v":1}'"""),
     ],
 )
 def test_option_rendering(overrides, expected_line):
@@ -195,6 +197,20 @@ def test_directive_values_read_back_intact(directive_value):
         if line.startswith("#SBATCH --chdir=")
     ]
     assert shlex.split(line.removeprefix("#SBATCH --chdir=")) == [directive_value]
+
+
+@pytest.mark.parametrize(
+    "comment",
+    ['{"dag_id":"nightly_training","run_id":"manual__2026-01-01T00:00:00+00:00","task_id":"t","v":1}',
+     '{"task_id":"tâche d\'été"}', "x" * JOB_COMMENT_MAX_BYTES],
+    ids=["job-key", "quotes-and-utf8", "longest"],
+)
+def test_comment_directive_reads_back_intact(comment):
+    # Measured on a live sbatch 22.05.8: squeue -o %k printed each of these exactly as given; 1025 bytes refused.
+    (line,) = [line for line in _directives(render_sbatch_script(_minimal_spec(comment=comment)))
+               if line.startswith("#SBATCH --comment=")]
+    assert shlex.split(line.removeprefix("#SBATCH --comment=")) == [comment]
+    assert _directives(render_sbatch_script(_minimal_spec(comment=comment)))[-1] == line
 
 
 HOSTILE_ARGV_ELEMENTS = [
@@ -320,6 +336,10 @@ INVALID_SPECS = [
     ("output", {"output": "C:\\logs\\%j.out"}),
     ("error", {"error": "/logs/\r%j"}),
     ("workdir", {"workdir": "/scratch/\x00"}),
+    ("comment", {"comment": '{"a":"b\\"c"}'}),
+    ("comment", {"comment": "two\nlines"}),
+    ("comment", {"comment": ""}),
+    ("comment", {"comment": "é" * (JOB_COMMENT_MAX_BYTES // 2 + 1)}),
     ("command", {"command": "python train.py"}),
     ("command", {"command": []}),
     ("command", {"command": ["python", 3]}),
