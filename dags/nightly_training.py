@@ -49,8 +49,10 @@ def prepared_value(key: str, suffix: str = "") -> str:
     return "{{ ti.xcom_pull(task_ids='training.prepare')['" + key + "'] " + rendered + "}}" + suffix
 
 
+# Hadoop's own umask (not the process's) sets what Spark writes: 002, shared storage stays group-writable.
 SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
-              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}
+              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
+              "spark.hadoop.fs.permissions.umask-mode": "002"}
 
 with DAG(
     dag_id="nightly_training",

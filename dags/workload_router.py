@@ -35,8 +35,10 @@ rules = routing_rules()
 RUNBOOK = "include/runbooks/workload-router.md"
 BRANCHES = {"spark": "run_on_cpu_spark", "slurm_gpu": "run_on_gpu_slurm", "slurm_cpu": "run_on_cpu_slurm",
             "triton": "serve_on_triton"}
+# Hadoop's own umask (not the process's) sets what Spark writes: 002, shared storage stays group-writable.
 SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
-              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}
+              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
+              "spark.hadoop.fs.permissions.umask-mode": "002"}
 CONFIG_FIELDS = "; ".join(
     f"{name}: {', '.join(f.describe() for f in workload.fields.values()) or 'none'}"
     for name, workload in rules.workloads.items())

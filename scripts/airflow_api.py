@@ -29,7 +29,8 @@ class AirflowApi:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
-                return json.load(resp)
+                payload = resp.read()
+                return json.loads(payload) if payload else None  # 204 No Content (a DELETE)
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
             raise RuntimeError(f"{method} {path} -> HTTP {exc.code}: {detail}") from exc
@@ -42,6 +43,9 @@ class AirflowApi:
 
     def patch(self, path: str, body: dict):
         return self._request("PATCH", path, body)
+
+    def delete(self, path: str):
+        return self._request("DELETE", path)
 
 
 def wait_for_dag(api: AirflowApi, dag_id: str, timeout_s: float = 120) -> dict:

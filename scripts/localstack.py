@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
+import pgstack  # scripts/ is on sys.path: this script's own folder
+
 REPO = Path(__file__).resolve().parent.parent
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state")).resolve()
 PROFILE = Path(os.environ.get("HYBRIDFLOW_PROFILE", REPO / "include/profiles/local.json")).resolve()
@@ -46,10 +48,12 @@ SERVING_VENV = REPO / ".venv-serving"
 APT_PACKAGES = [
     "munge", "slurmctld", "slurmd", "slurm-client", "slurmdbd", "mariadb-server", "openssh-server", "openssh-client",
     "python3-venv",
+    "acl",  # setfacl: a traverse-only entry for the service user on a checkout under a closed directory
+    *pgstack.APT_PACKAGES,  # Airflow's metadata database
     "chromium", "chromium-driver",  # the real-browser tests of the Airflow UI (tests/browser)
 ]
 REQUIRED_BINARIES = ["munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "mariadbd", "mariadb-install-db",
-                     "sshd", "chromium", "chromedriver"]
+                     "sshd", "setfacl", *pgstack.REQUIRED_BINARIES, "chromium", "chromedriver"]
 CLUSTER_PYTHON = "/usr/bin/python3"  # the cluster's own interpreter, not this checkout's (maybe under /root)
 
 
@@ -91,6 +95,13 @@ class Paths:
         return self.cluster / "storage"
 
     @property
+    def postgres(self) -> Path:
+        """This checkout's PostgreSQL cluster (Airflow's metadata): under cluster_dir, where the postgres user
+        can reach it, one per checkout (as the SQLite file was) so two clones never share runs."""
+        checkout = hashlib.sha256(str(STATE).encode()).hexdigest()[:12]
+        return self.cluster / "postgres" / checkout
+
+    @property
     def cluster_venv(self) -> Path:
         return self.cluster / "cluster-venv"
 
@@ -130,6 +141,11 @@ STORAGE_GROUP = STACK.get("storage_group", SERVICE_USER)
 # Files the services and the jobs create in the shared storage stay writable by the group.
 SHARED_UMASK = 0o002
 SERVICE_USER_SERVICES = ("airflow-", "spark-")
+# Airflow's metadata database: PostgreSQL (the default), or SQLite in the Airflow home when asked for
+# (HYBRIDFLOW_METADATA_DB=sqlite, or the profile's `metadata_db`): fine for trying it out, not for load.
+METADATA_DB = os.environ.get("HYBRIDFLOW_METADATA_DB", STACK.get("metadata_db", "postgres"))
+if METADATA_DB not in ("postgres", "sqlite"):
+    sys.exit(f"HYBRIDFLOW_METADATA_DB / profile metadata_db must be 'postgres' or 'sqlite', not {METADATA_DB!r}")
 
 NODE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 
@@ -363,6 +379,8 @@ def ensure_service_user() -> None:
 def ensure_checkout_reachable() -> None:
     """The service user runs this checkout's DAGs, plugins and venv: every directory above it must let it pass.
     A clone under a private directory (/root) gets a traverse-only ACL entry for that user, nothing more."""
+    if not (VENV / "bin/python").exists():
+        raise RuntimeError(f"no venv at {VENV}: run `make venv` (or `make up`) first")
     probe = [str(VENV / "bin/python"), "-c", "import os, sys; os.listdir(sys.argv[1])", str(REPO / "dags")]
     if run(probe, check=False, **as_service_user()).returncode == 0:
         return
@@ -938,6 +956,27 @@ def s3_ready() -> bool:
     return http_ok(f"http://127.0.0.1:{STACK['s3_port']}/")
 
 
+# ---------------------------------------------------------------------------------------------- postgres
+def postgres_port() -> int:
+    return int(STACK.get("postgres_port", 5433))
+
+
+def postgres_ready() -> bool:
+    # This checkout's server, not another clone's on the same port (whose role would refuse our password).
+    return pgstack.postmaster_pid(P.postgres) is not None and pgstack.ready(postgres_port())
+
+
+def start_postgres() -> int:
+    pgstack.ensure_cluster(P.postgres, postgres_port(), P.local_secrets, log)
+    return pgstack.start(P.postgres, postgres_port(), P.logs / "postgres.log")
+
+
+def metadata_db_url() -> str:
+    if METADATA_DB == "sqlite":
+        return f"sqlite:///{P.airflow_home / 'airflow.db'}"
+    return pgstack.sqlalchemy_url(pgstack.ensure_password(P.local_secrets), postgres_port())
+
+
 # ---------------------------------------------------------------------------------------------- airflow
 def fill_placeholders(node, values: dict):
     """Replace ${name} in a profile's values; a value that is one whole placeholder keeps its type (ports)."""
@@ -995,7 +1034,7 @@ def airflow_env() -> dict[str, str]:
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{STACK['airflow_api_port']}/execution/",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": metadata_db_url(),
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": str(STACK["airflow_api_port"]),
         "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{STACK['airflow_api_port']}",
@@ -1006,6 +1045,8 @@ def airflow_env() -> dict[str, str]:
         "HYBRIDFLOW_STORAGE_ROOT": str(P.storage),
         "HYBRIDFLOW_CLUSTER_DIR": str(P.cluster),
         "HYBRIDFLOW_JOB_USER": JOB_USER,
+        # Written into every Slurm job's key: this checkout's Airflow reconciles only the jobs it submitted.
+        "HYBRIDFLOW_DEPLOYMENT": f"local-{hashlib.sha256(str(STATE).encode()).hexdigest()[:12]}",
         "HYBRIDFLOW_SERVICE_USER": SERVICE_USER,
         "HYBRIDFLOW_CLUSTER_PYTHON": str(P.cluster_venv / "bin/python"),
         "HYBRIDFLOW_CLUSTER_JOBS_DIR": str(P.cluster_code / "jobs"),
@@ -1043,7 +1084,8 @@ def airflow(*args: str, env: dict) -> subprocess.CompletedProcess:
 def migrate_airflow_db() -> None:
     env = write_airflow_files()
     stamp = P.airflow_home / ".migrated"
-    version = ",".join(sorted(p.name for p in (VENV / "lib").glob("python3*/site-packages/apache_airflow-*.dist-info")))
+    version = ",".join([METADATA_DB, *sorted(
+        p.name for p in (VENV / "lib").glob("python3*/site-packages/apache_airflow-*.dist-info"))])
     if not stamp.exists() or stamp.read_text() != version:
         log("migrating the Airflow metadata DB")
         airflow("db", "migrate", env=env)
@@ -1052,7 +1094,7 @@ def migrate_airflow_db() -> None:
     # Pools keep a backfill from flooding the GPU partition or Spark; the DAGs name them.
     pools = REPO / "include/config/pools.json"
     pools_stamp = P.airflow_home / ".pools"
-    digest = hashlib.sha256(pools.read_bytes()).hexdigest()
+    digest = hashlib.sha256(pools.read_bytes() + METADATA_DB.encode()).hexdigest()
     if not pools_stamp.exists() or pools_stamp.read_text() != digest:
         log("importing Airflow pools from include/config/pools.json")
         airflow("pools", "import", str(pools), env=env)
@@ -1111,6 +1153,9 @@ def services() -> list[Service]:
                 logfile=P.logs / "triton.log"),
         Service("s3", s3_ready, start_s3, comm="moto_server", endpoint=f"http://127.0.0.1:{STACK['s3_port']}",
                 logfile=P.logs / "s3.log"),
+        *([Service("postgres", postgres_ready, start_postgres, comm="postgres",
+                   endpoint=f"127.0.0.1:{postgres_port()}", logfile=P.logs / "postgres.log")]
+          if METADATA_DB == "postgres" else []),
         Service("airflow-api-server", airflow_api_ready, lambda: start_airflow_component("api-server"),
                 comm="airflow", endpoint=f"http://127.0.0.1:{api}", logfile=P.logs / "airflow-api-server.log",
                 timeout=90),
@@ -1164,6 +1209,14 @@ def cmd_up(names: list[str]) -> int:
     write_airflow_files()
     chosen = by_name(names)
     if any(s.name.startswith("airflow") for s in chosen):
+        # The metadata database first: the migration below and every component need it.
+        for db in by_name(["postgres"] if METADATA_DB == "postgres" else []):
+            if not db.ready():
+                log("postgres: starting")
+                db.pidfile.write_text(f"{db.start()}\n")
+                wait_for(db.name, db.ready, db.timeout, db.logfile)
+                log("postgres: ready")
+            chosen = [s for s in chosen if s.name != db.name]
         migrate_airflow_db()
     if any(s.name.startswith(SLURM_SERVICES) for s in chosen) and reconcile_slurm_config():
         # Restarted on a changed configuration: the controller and every node come back, whatever was asked.
@@ -1246,7 +1299,11 @@ def cmd_down(names: list[str]) -> int:
             svc.pidfile.unlink(missing_ok=True)
             continue
         log(f"{svc.name}: stopping pid {pid}")
-        stop_pid(svc.name, pid)
+        if svc.name == "postgres":
+            # Its backends leave the postmaster's process group; SIGINT (fast shutdown) ends them all.
+            pgstack.stop(pid, data_dir=P.postgres)
+        else:
+            stop_pid(svc.name, pid)
         svc.pidfile.unlink(missing_ok=True)
     return 0
 

@@ -50,6 +50,20 @@ def stack(request) -> dict[str, str]:
             os.environ[key] = value
 
 
+@pytest.fixture
+def cluster_tmp_path(stack):
+    """A temporary folder in the shared storage's scratch area, for jobs whose executors run as the stack's
+    service user (Spark standalone): pytest's own tmp_path lies under a folder only root may enter."""
+    import shutil
+    import uuid
+
+    root = Path(stack.get("HYBRIDFLOW_STORAGE_ROOT", "/var/lib/hybridflow/storage")) / "scratch" / "tests"
+    path = root / uuid.uuid4().hex[:12]
+    path.mkdir(parents=True)  # setgid storage group, group-writable under the tests' umask 002
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def api(stack):
     """A REST client logged in to the running local Airflow as admin, as the UI and `make demo` use it."""
@@ -65,7 +79,9 @@ def isolated_airflow_env(stack, tmp_path_factory) -> dict[str, str]:
     (home / "dags").mkdir()
     env = dict(os.environ, AIRFLOW_HOME=str(home),
                AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home / 'airflow.db'}",
-               AIRFLOW__CORE__DAGS_FOLDER=str(home / "dags"), AIRFLOW__CORE__LOAD_EXAMPLES="False")
+               AIRFLOW__CORE__DAGS_FOLDER=str(home / "dags"), AIRFLOW__CORE__LOAD_EXAMPLES="False",
+               # Its Slurm jobs are its own: the stack's orphan reconciler leaves them alone, and the other way round.
+               HYBRIDFLOW_DEPLOYMENT=f"pytest-{home.name}")
     subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=env, check=True,
                    capture_output=True)
     return env

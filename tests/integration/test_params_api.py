@@ -25,7 +25,7 @@ from airflow_api import local_api  # noqa: E402
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
 DAGS = ("nightly_training", "workload_router", "oncall_rollback_model", "oncall_training_job",
-        "platform_healthcheck", "cluster_preflight", "reliability_probe")
+        "platform_healthcheck", "cluster_preflight", "reliability_probe", "slurm_reconciler")
 DRY_RUN = ("nightly_training", "workload_router")
 # Valid values for params without a default, so that a refusal names the bad param; Slurm knows no such job.
 REQUIRED = {"oncall_training_job": '"job_id": "999999999", "reason": "params api test"'}
@@ -84,7 +84,8 @@ REFUSED = [
     ("workload_router", '{"config": {"batch": 0}}', "config", "batch", BELOW),
     ("workload_router", '{"config": {"ds": {"x": 1}}}', "config", "ds", NOT_STR),
     ("workload_router", '{"config": {"ds": "2026-02-30"}}', "config", "ds", "is not a 'date'"),
-    ("workload_router", '{"config": {"ds": "2026-01-01\\n"}}', "config", "ds", NO_MATCH),
+    # Refused by the pattern, or first by the 'date' format where Python's date.fromisoformat is strict (3.11.2)
+    ("workload_router", '{"config": {"ds": "2026-01-01\\n"}}', "config", "ds", "'2026-01-01\\n' "),
     ("workload_router", '{"config": {"hidden_sizes": "128,64\\n"}}', "config", "hidden_sizes", NO_MATCH),
     ("workload_router", '{"config": {"hidden_sizes": "128, 64"}}', "config", "hidden_sizes", NO_MATCH),
     # strings with a pattern: trailing newline, whitespace, too long, wrong types
@@ -110,6 +111,13 @@ REFUSED = [
     ("workload_router", '{"workload_type": "model_training\\n"}', "workload_type", None, NOT_ONE),
     ("platform_healthcheck", '{"spark_conn_id": " spark_default"}', "spark_conn_id", None, NOT_ONE),
     ("platform_healthcheck", '{"run_spark": "yes"}', "run_spark", None, "is not of type 'boolean'"),
+    ("slurm_reconciler", '{"dry_run": "false"}', "dry_run", None, "is not of type 'boolean'"),
+    ("slurm_reconciler", '{"grace_s": -1}', "grace_s", None, BELOW),
+    ("slurm_reconciler", f'{{"grace_s": {HUGE}}}', "grace_s", None, ABOVE),
+    ("slurm_reconciler", '{"grace_s": 300.0}', "grace_s", None, NOT_INT),
+    ("slurm_reconciler", '{"dag_ids": ["nightly_training\\n"]}', "dag_ids", None, NO_MATCH),
+    ("slurm_reconciler", '{"dag_ids": ["../x y"]}', "dag_ids", None, NO_MATCH),
+    ("slurm_reconciler", '{"dag_ids": "nightly_training"}', "dag_ids", None, "is not of type 'array'"),
 ]
 
 # Good values of every kind: each creates a (dry) run on the DAGs with dry_run ...
@@ -129,6 +137,7 @@ ACCEPTED_BY_SCHEMA = [
     ("platform_healthcheck", {"partition": "cpu", "run_spark": False, "spark_conn_id": "spark_standalone"}),
     ("cluster_preflight", {"nodes": 64, "gpus_per_node": 8, "hidden_sizes": "4096,4096,2048,1024"}),
     ("reliability_probe", {"sleep_s": 600}),
+    ("slurm_reconciler", {"dry_run": True, "grace_s": 0, "dag_ids": ["nightly_training", "workload_router"]}),
 ]
 
 

@@ -50,7 +50,10 @@ def spark_submit(script: str, *args: str, master: str = "local[2]", timeout: int
     quick_jit = "-XX:TieredStopAtLevel=1"
     command = [str(BIN / "spark-submit"), "--master", master, "--driver-memory", "1g",
                "--driver-java-options", quick_jit,
-               "--conf", "spark.ui.enabled=false", "--conf", "spark.log.level=WARN"]
+               "--conf", "spark.ui.enabled=false", "--conf", "spark.log.level=WARN",
+               # Standalone executors run as the stack's service user, this driver as root: what the driver
+               # creates (the _temporary folders) must be group-writable, and Hadoop applies its own umask.
+               "--conf", "spark.hadoop.fs.permissions.umask-mode=002"]
     if master.startswith("spark://"):
         command += ["--conf", "spark.executor.memory=1g", "--conf", "spark.cores.max=2",
                     "--conf", f"spark.executor.extraJavaOptions={quick_jit}"]
@@ -343,17 +346,17 @@ def require_standalone_master(wait_s: float = 30.0, poll_s: float = 2.0) -> None
                     "`python scripts/localstack.py status` and .state/logs/spark-*.log.", pytrace=False)
 
 
-def test_spark_standalone_master_runs_features_and_scoring(tmp_path):
+def test_spark_standalone_master_runs_features_and_scoring(cluster_tmp_path):
     require_standalone_master()
-    generate(tmp_path, DS, rows=5_000, customers=400)
-    build_features(tmp_path, DS, "--lookback-days", "1", master=STANDALONE_MASTER)
-    model_path = tmp_path / "model.pt"
+    generate(cluster_tmp_path, DS, rows=5_000, customers=400)
+    build_features(cluster_tmp_path, DS, "--lookback-days", "1", master=STANDALONE_MASTER)
+    model_path = cluster_tmp_path / "model.pt"
     save_model(model_path, len(FEATURE_COLUMNS))
-    score(tmp_path, DS, model_path, "standalone-1", master=STANDALONE_MASTER)
+    score(cluster_tmp_path, DS, model_path, "standalone-1", master=STANDALONE_MASTER)
 
-    fm, pm = manifest(tmp_path, "features", DS), manifest(tmp_path, "predictions", DS)
+    fm, pm = manifest(cluster_tmp_path, "features", DS), manifest(cluster_tmp_path, "predictions", DS)
     assert fm["job"]["spark_master"] == pm["job"]["spark_master"] == STANDALONE_MASTER
-    assert fm["quarantine"]["by_reason"] == manifest(tmp_path, "raw", DS)["planted_defects"]
+    assert fm["quarantine"]["by_reason"] == manifest(cluster_tmp_path, "raw", DS)["planted_defects"]
     assert pm["row_count"] == fm["row_count"] > 0
-    predictions = read(tmp_path, "predictions", DS)
+    predictions = read(cluster_tmp_path, "predictions", DS)
     assert pc.all(pc.equal(predictions["model_version"], "standalone-1")).as_py()

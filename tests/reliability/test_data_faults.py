@@ -51,7 +51,7 @@ def submit(script: str, *args: str, master: str = "local[2]", conf: dict[str, st
            timeout: int = 300) -> subprocess.Popen:
     command = [str(BIN / "spark-submit"), "--master", master, "--driver-memory", "1g",
                "--driver-java-options", QUICK_JIT, "--conf", "spark.ui.enabled=false",
-               "--conf", "spark.log.level=WARN"]
+               "--conf", "spark.log.level=WARN", "--conf", "spark.hadoop.fs.permissions.umask-mode=002"]
     if master.startswith("spark://"):
         command += ["--conf", "spark.executor.memory=1g", "--conf", "spark.cores.max=2",
                     "--conf", f"spark.executor.extraJavaOptions={QUICK_JIT}"]
@@ -102,13 +102,13 @@ def app_id_of(pid: int) -> str | None:
     return None
 
 
-def test_executor_killed_mid_job_is_replaced_and_output_is_exactly_once(tmp_path):
+def test_executor_killed_mid_job_is_replaced_and_output_is_exactly_once(cluster_tmp_path):
     require_standalone_master()
     rows, customers = 20_000, 5_000
-    generate(tmp_path, DS, rows=rows, customers=customers)
-    clean_root = tmp_path / "clean"
+    generate(cluster_tmp_path, DS, rows=rows, customers=customers)
+    clean_root = cluster_tmp_path / "clean"
     (clean_root / "raw").mkdir(parents=True)
-    os.symlink(tmp_path / "raw" / f"ds={DS}", clean_root / "raw" / f"ds={DS}")
+    os.symlink(cluster_tmp_path / "raw" / f"ds={DS}", clean_root / "raw" / f"ds={DS}")
     code, out, err = finish(features_job(clean_root, master=STANDALONE_MASTER))
     assert code == 0, err[-4000:]
     clean_rows = manifest(clean_root, "features", DS)["row_count"]
@@ -116,7 +116,7 @@ def test_executor_killed_mid_job_is_replaced_and_output_is_exactly_once(tmp_path
     before = set(executor_pids())
     started = time.monotonic()
     # Many small tasks keep the job busy long enough to kill its executor while tasks are in flight.
-    job = features_job(tmp_path, master=STANDALONE_MASTER,
+    job = features_job(cluster_tmp_path, master=STANDALONE_MASTER,
                        conf={"spark.sql.shuffle.partitions": "64", "spark.task.maxFailures": "4"})
     killed: list[int] = []
     app_id: str | None = None
@@ -145,15 +145,15 @@ def test_executor_killed_mid_job_is_replaced_and_output_is_exactly_once(tmp_path
                         f"executor of {app_id} was seen before the job ended (rc {code}, {seconds:.1f} s); the "
                         f"standalone master did not relaunch it.\n{err[-4000:]}")
     assert code == 0, f"job failed after the executor kill (rc {code}):\n{err[-6000:]}"
-    table = read(tmp_path, "features", DS)
+    table = read(cluster_tmp_path, "features", DS)
     distinct = len(pc.unique(table["customer_id"]))
-    fm = manifest(tmp_path, "features", DS)
+    fm = manifest(cluster_tmp_path, "features", DS)
     lost = bool(re.search(r"Lost executor|ExecutorLostFailure|Executor .* (exited|removed)", err))
     print(f"RELIABILITY executor_kill killed_pid={killed[0]} killed_at_s={killed_at:.1f} "
           f"relaunched={bool(relaunched)} job_rc={code} job_s={seconds:.1f} rows={table.num_rows} "
           f"clean_rows={clean_rows} distinct_customers={distinct} driver_saw_loss={lost}")
     assert table.num_rows == fm["row_count"] == clean_rows == distinct
-    assert visible(tmp_path / "features") == [f"ds={DS}"]
+    assert visible(cluster_tmp_path / "features") == [f"ds={DS}"]
 
 
 # --- 8: disk full on the output path ----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Issue 7, load: a burst of 20 runs of a short GPU-job DAG on the running local Airflow, all started at once.
+"""Load on the running local Airflow (metadata in PostgreSQL): 50 REST triggers at once, and a burst of 20 runs
+of a short GPU-job DAG, all started at once.
 
 The probe DAG's Slurm task sits in the ``gpu_training`` pool (1 slot, deferred tasks counted), as the nightly
 training task does. Checks: every run succeeds, each has exactly one Slurm job, the GPU partition never ran more
@@ -11,11 +12,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from airflow_api import trigger, wait_for_run
+from airflow_api import wait_for_dag, wait_for_run
 from hybridflow.utils.slurm import deterministic_job_name
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -24,6 +27,20 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE_DAG = "reliability_probe"
 PROBE_TASK = "sleep_job"
 RUNS = 20
+TRIGGERS = 50
+
+
+def concurrently(calls: list) -> list[tuple[int, object]]:
+    """Each call on its own thread (and so its own HTTP connection), all at once: (HTTP status, result) each."""
+    def one(call):
+        try:
+            return 200, call()
+        except RuntimeError as exc:  # the client's HTTP errors: "... -> HTTP 500: ..."
+            cause = exc.__cause__
+            return (cause.code if isinstance(cause, urllib.error.HTTPError) else 599), str(exc)
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return list(pool.map(one, calls))
 
 
 def accounted_jobs(names: list[str]) -> list[dict]:
@@ -60,12 +77,40 @@ def test_most_at_once_counts_overlaps_not_back_to_back_jobs():
     assert most_at_once([(0, 10), (1, 2), (3, 4)]) == 2
 
 
-def test_burst_of_twenty_runs_all_finish_without_duplicates_or_oversubscribing_the_gpu_pool(api):
-    """Injected: 20 runs triggered at once. Survives: all of them, one Slurm job each, never more GPU jobs at
-    once than the pool's slots. Measured: Slurm job end -> task success, median and p95."""
-    slots = json.loads((REPO / "include/config/pools.json").read_text())["gpu_training"]["slots"]
+def test_fifty_rest_triggers_at_once_get_no_server_error(api):
+    """50 POSTs of a DAG run at once (SQLite answered some of these with HTTP 500 "Database error" after a 5 s
+    lock wait): every one 200, each a run of its own; then each run deleted, again at once, with no error. The DAG
+    stays paused, so the runs only exercise the API and the metadata database."""
+    wait_for_dag(api, PROBE_DAG)
+    api.patch(f"/api/v2/dags/{PROBE_DAG}", {"is_paused": True})
     started = time.monotonic()
-    run_ids = [trigger(api, PROBE_DAG, {"sleep_s": 2}) for _ in range(RUNS)]
+    posted = concurrently([lambda: api.post(f"/api/v2/dags/{PROBE_DAG}/dagRuns", {"logical_date": None,
+                                                                                "conf": {"sleep_s": 1}})
+                           for _ in range(TRIGGERS)])
+    post_s = time.monotonic() - started
+    run_ids = [body["dag_run_id"] for status, body in posted if status == 200]
+    deleted = concurrently([lambda run_id=run_id: api.delete(f"/api/v2/dags/{PROBE_DAG}/dagRuns/{run_id}")
+                            for run_id in run_ids])
+    errors = [(status, body) for status, body in posted + deleted if status != 200]
+    print(f"RELIABILITY rest_burst posts={TRIGGERS} ok={len(run_ids)} distinct_runs={len(set(run_ids))} "
+          f"deleted={sum(status == 200 for status, _ in deleted)} server_errors="
+          f"{sum(status >= 500 for status, _ in posted + deleted)} post_wall_s={post_s:.1f}", flush=True)
+    assert not errors, errors[:5]
+    assert len(set(run_ids)) == TRIGGERS
+
+
+def test_burst_of_twenty_runs_all_finish_without_duplicates_or_oversubscribing_the_gpu_pool(api):
+    """Injected: 20 runs triggered at once (20 concurrent POSTs). Survives: all of them, one Slurm job each,
+    never more GPU jobs at once than the pool's slots. Measured: Slurm job end -> task success, median and p95."""
+    slots = json.loads((REPO / "include/config/pools.json").read_text())["gpu_training"]["slots"]
+    wait_for_dag(api, PROBE_DAG)
+    api.patch(f"/api/v2/dags/{PROBE_DAG}", {"is_paused": False})
+    started = time.monotonic()
+    posted = concurrently([lambda: api.post(f"/api/v2/dags/{PROBE_DAG}/dagRuns", {"logical_date": None,
+                                                                                "conf": {"sleep_s": 2}})
+                           for _ in range(RUNS)])
+    assert all(status == 200 for status, _ in posted), [p for p in posted if p[0] != 200][:5]
+    run_ids = [body["dag_run_id"] for _, body in posted]
     states = {run_id: wait_for_run(api, PROBE_DAG, run_id, timeout_s=900, poll_s=2) for run_id in run_ids}
     wall_s = time.monotonic() - started
     assert set(states.values()) == {"success"}, states

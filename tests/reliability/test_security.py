@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sqlite3
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import sqlalchemy
 
 REPO = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state"))
@@ -365,16 +365,18 @@ def test_no_generated_secret_in_logs_reports_xcom_or_tracked_files(stack):
             data = path.read_bytes()
             hits += [f"{place}:{path}:{name}" for needle, name in needles.items() if needle in data]
 
-    db = sqlite3.connect(f"file:{STATE / 'airflow' / 'airflow.db'}?mode=ro", uri=True, timeout=30)
+    # The stack's metadata database, whichever it is (PostgreSQL, or SQLite when asked for).
+    engine = sqlalchemy.create_engine(stack["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
     try:
-        for table, column in (("xcom", "value"), ("rendered_task_instance_fields", "rendered_fields")):
-            rows = db.execute(f"SELECT {column} FROM {table}").fetchall()  # noqa: S608 - fixed names
-            scanned[table] = len(rows)
-            for (value,) in rows:
-                data = value if isinstance(value, bytes) else str(value).encode()
-                hits += [f"{table}:{name}" for needle, name in needles.items() if needle in data]
+        with engine.connect() as db:
+            for table, column in (("xcom", "value"), ("rendered_task_instance_fields", "rendered_fields")):
+                rows = db.execute(sqlalchemy.text(f"SELECT {column} FROM {table}")).fetchall()  # noqa: S608
+                scanned[table] = len(rows)
+                for (value,) in rows:
+                    data = value if isinstance(value, bytes) else str(value).encode()
+                    hits += [f"{table}:{name}" for needle, name in needles.items() if needle in data]
     finally:
-        db.close()
+        engine.dispose()
 
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     paths = [REPO / p for p in tracked.decode().split("\0") if p]
