@@ -51,6 +51,18 @@ def stack(request) -> dict[str, str]:
 
 
 @pytest.fixture
+def default_deployment(monkeypatch):
+    """The pipeline config as without the stack's environment: HYBRIDFLOW_DEPLOYMENT unset (job keys say
+    'default'), the cached config read again before and after."""
+    from hybridflow.config import pipeline_config
+
+    monkeypatch.delenv("HYBRIDFLOW_DEPLOYMENT", raising=False)
+    pipeline_config.cache_clear()
+    yield
+    pipeline_config.cache_clear()
+
+
+@pytest.fixture
 def cluster_tmp_path(stack):
     """A temporary folder in the shared storage's scratch area, for jobs whose executors run as the stack's
     service user (Spark standalone): pytest's own tmp_path lies under a folder only root may enter."""

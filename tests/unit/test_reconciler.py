@@ -13,6 +13,9 @@ from hybridflow.reconciler import reconcile, reconcile_cluster, task_lookup
 from hybridflow.utils.reconcile import JobListing, ListedJob, TaskLook
 from hybridflow.utils.slurm_jobs import SlurmJobKey, SlurmJobStatus
 
+# Job keys carry the Airflow deployment from the environment: a session beside the stack has the stack's.
+pytestmark = pytest.mark.usefixtures("default_deployment")
+
 RUN_ID = "scheduled__2026-12-01T02:00:00+00:00"
 NOW = 1_796_324_771
 FAILED = SlurmJobKey("nightly_training", RUN_ID, "training.train")

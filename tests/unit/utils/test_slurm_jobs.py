@@ -18,6 +18,9 @@ from hybridflow.utils.slurm_jobs import (
     status_from_scontrol,
 )
 
+# Job keys carry the Airflow deployment from the environment: a session beside the stack has the stack's.
+pytestmark = pytest.mark.usefixtures("default_deployment")
+
 SCONTROL_RUNNING_REQUEUED = (
     "JobId=42 JobName=hf-train-abc UserId=mlops(1001) GroupId=mlops(1001) MCS_label=N/A Priority=1 Nice=0 "
     "Account=(null) QOS=(null) JobState=PENDING Reason=BeginTime Dependency=(null) Requeue=1 Restarts=2 "
