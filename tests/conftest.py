@@ -188,3 +188,13 @@ def slurm_jobs_named(fragment: str) -> list[str]:
 @pytest.fixture
 def jobs_named(stack):
     return slurm_jobs_named
+
+
+@pytest.fixture
+def slurm(stack):
+    """The project's SlurmHook on the stack's login node (its SSH connection closed afterwards)."""
+    from hybridflow.hooks.slurm import SlurmHook
+
+    hook = SlurmHook()
+    yield hook
+    hook.close()

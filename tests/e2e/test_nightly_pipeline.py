@@ -21,7 +21,6 @@ DS = "2025-06-03"
 # Both runs take 2 ranks x the same micro-batch over the same rows, each rank the same slice of every global batch:
 # the same training up to the order in which gloo sums fp32 gradients.
 SAME_TRAINING_AUC_TOLERANCE = 1e-3
-trained: dict[str, dict] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,17 +65,27 @@ def rank_log(run_dir: Path) -> str:
     return "".join(path.read_text() for path in sorted((run_dir / "logs").glob("*.err")))
 
 
-def test_nightly_run_produces_every_stages_output(api, stack):
-    """One node x 2 ranks (two GPUs of one node), every stage through to Triton."""
-    ds = DS
+@pytest.fixture(scope="module")
+def one_node_run(api, stack) -> dict:
+    """The module's one shared set-up: a nightly run on 1 node x 2 ranks (two GPUs of one node) through every
+    stage to Triton. It leaves a model of record, which the backfill scores with, and the metrics the 2-node run
+    must reproduce. Any test of this module may run alone: it gets this run through the fixture."""
     root = storage(stack)
     # Training refuses a missing or stale all-reduce preflight of its topology (a fresh stack has none): run it as
     # `make demo` does.
     ensure_fresh_preflight(api, str(root), timeout_s=600, nodes=1, gpus_per_node=2)
-    run_id = trigger(api, {"model_preset": "small", "deploy": "always", "nodes": 1, "gpus": 2}, ds)
+    run_id = trigger(api, {"model_preset": "small", "deploy": "always", "nodes": 1, "gpus": 2}, DS)
     state = wait_for_run(api, DAG, run_id, timeout_s=900, poll_s=2)
     states = task_states(api, DAG, run_id)
-    assert state == "success", states
+    assert state == "success", f"the shared 1 x 2 nightly run {run_id} did not succeed: {states}"
+    return {"run_id": run_id, "states": states, "train": xcom(api, DAG, run_id, "training.train")}
+
+
+def test_nightly_run_produces_every_stages_output(api, stack, one_node_run):
+    """One node x 2 ranks (two GPUs of one node), every stage through to Triton."""
+    ds = DS
+    root = storage(stack)
+    run_id, states = one_node_run["run_id"], one_node_run["states"]
     assert {k: v for k, v in states.items() if v != "success"} == {}, "a stage was skipped or failed"
 
     features = published(root, "features", ds)
@@ -85,7 +94,7 @@ def test_nightly_run_produces_every_stages_output(api, stack):
     gate = xcom(api, DAG, run_id, "quality.quality_gate")
     assert gate["summary"]["failed"] == 0 and gate["figures"]["raw_rows"] == features["input"]["raw_rows"]
 
-    train = xcom(api, DAG, run_id, "training.train")
+    train = one_node_run["train"]
     assert train["state"] == "COMPLETED" and train["alloc_tres"]["gres/gpu"] == "2"
     assert train["metrics"]["auc"] > 0.55 and train["metrics"]["step"] > 0
     assert train["metrics"]["world_size"] == 2 and train["metrics"]["nodes"] == 1
@@ -93,7 +102,6 @@ def test_nightly_run_produces_every_stages_output(api, stack):
     run_dir = Path(train["run_dir"])
     log = rank_log(run_dir)
     assert "rank0@gpu-node-01" in log and "ranks: 0@gpu-node-01, 1@gpu-node-01" in log
-    trained["1x2"] = train["metrics"]
     step_dirs = sorted((run_dir / "checkpoints").glob("step_*"))
     assert step_dirs and (step_dirs[-1] / "MANIFEST.json").is_file()
     # Exactly one training job for this run, found by its deterministic name.
@@ -136,10 +144,9 @@ def test_nightly_run_produces_every_stages_output(api, stack):
     assert {item["figure"] for item in written["not_measured"]} <= allowed, written["not_measured"]
 
 
-def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each(api, stack):
+def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each(api, stack, one_node_run):
     """2 nodes x 1 rank, same date: each rank on its own node, the same holdout metrics as the 1 x 2 run."""
-    if "1x2" not in trained:
-        pytest.fail("test_nightly_run_produces_every_stages_output runs first in this module")
+    one_node = one_node_run["train"]["metrics"]
     root = storage(stack)
     ensure_fresh_preflight(api, str(root), timeout_s=600, nodes=2, gpus_per_node=1)
     run_id = trigger(api, {"model_preset": "small", "train": "always", "deploy": "never", "nodes": 2, "gpus": 1}, DS)
@@ -155,17 +162,18 @@ def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each(api, stack):
     assert sorted(metrics["ranks"]) == ["0@gpu-node-01", "1@gpu-node-02"]
     log = rank_log(Path(train["run_dir"]))
     assert "ranks: 0@gpu-node-01, 1@gpu-node-02" in log
-    assert metrics["step"] == trained["1x2"]["step"]
-    assert abs(metrics["auc"] - trained["1x2"]["auc"]) <= SAME_TRAINING_AUC_TOLERANCE
+    assert metrics["step"] == one_node["step"]
+    assert abs(metrics["auc"] - one_node["auc"]) <= SAME_TRAINING_AUC_TOLERANCE
     assert 0 < metrics["allreduce_share_in_job"] < 1
 
 
-def test_backfill_recomputes_three_days_without_training(api, stack):
-    """A backfill over 3 days: 3 feature and prediction partitions, scored with the model of record, no job on
-    the GPU partition. Rerunning a date replaces its partitions (a second backfill would find them complete)."""
+def test_backfill_recomputes_three_days_without_training(api, stack, one_node_run):
+    """A backfill over 3 days: 3 feature and prediction partitions, scored with the model of record (the shared
+    run leaves one), no job on the GPU partition. Rerunning a date replaces its partitions (a second backfill
+    would find them complete)."""
     root = storage(stack)
-    if not (root / "models/propensity/registry.json").is_file():
-        pytest.fail("no model of record: test_nightly_run_produces_every_stages_output runs first in this module")
+    registry = json.loads((root / "models/propensity/registry.json").read_text())
+    assert registry["champion"] is not None, "the shared nightly run left no model of record"
     days = ["2025-07-01", "2025-07-02", "2025-07-03"]
     before = len(slurm_jobs_named(f"hf-{DAG}-training.train-backfill"))
     backfill = api.post("/api/v2/backfills", {
@@ -188,4 +196,6 @@ def test_backfill_recomputes_three_days_without_training(api, stack):
     for ds in days:
         features = published(root, "features", ds)
         assert published(root, "predictions", ds)["row_count"] == features["row_count"]
+        versions = pq.read_table(root / "predictions" / f"ds={ds}", columns=["model_version"]).column(0)
+        assert set(versions.to_pylist()) == {f"v{registry['champion']['version']}"}
     assert len(slurm_jobs_named(f"hf-{DAG}-training.train-backfill")) == before

@@ -66,7 +66,10 @@ def airflow_home(tmp_path):
     home = tmp_path / "airflow"
     (home / "dags").mkdir(parents=True)
     env = {key: value for key, value in os.environ.items() if not key.startswith("AIRFLOW")}
-    env.update(AIRFLOW_HOME=str(home), AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home / 'airflow.db'}",
+    # Three writers share one SQLite file here (DAG processor, scheduler, CLI): wait up to 60 s for its lock, not
+    # pysqlite's default 5 s, which a busy 2-core runner exceeds ("database is locked").
+    env.update(AIRFLOW_HOME=str(home),
+               AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home / 'airflow.db'}?timeout=60",
                AIRFLOW__CORE__DAGS_FOLDER=str(home / "dags"), AIRFLOW__CORE__PLUGINS_FOLDER=str(REPO / "plugins"),
                AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__CORE__EXECUTOR="LocalExecutor",
                # No task runs here; should one try, it must not reach the shared stack's api-server.

@@ -21,13 +21,6 @@ RUNNER = Path(__file__).with_name("airflow_runner.py")
 
 
 @pytest.fixture
-def slurm(stack):
-    hook = SlurmHook()
-    yield hook
-    hook.close()
-
-
-@pytest.fixture
 def submit_job(slurm, stack):
     """sbatch a job on the cpu partition; every job submitted is cancelled and its logs removed afterwards."""
     log_dir = f"{stack['HYBRIDFLOW_STORAGE_ROOT']}/runs/tests-oncall-{uuid.uuid4().hex[:8]}"

@@ -68,13 +68,6 @@ FOLLOWS_ITS_JOB = textwrap.dedent('''
 
 
 @pytest.fixture
-def slurm(stack):
-    hook = SlurmHook()
-    yield hook
-    hook.close()
-
-
-@pytest.fixture
 def area(slurm, stack):
     """A tag for this test's DAGs and jobs, and a log directory; afterwards every job whose name holds the tag, or
     that the test submitted, is cancelled."""

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.utils.routing import run_dir_for
 from hybridflow.utils.slurm import deterministic_job_name
@@ -20,13 +19,6 @@ SOURCE = (REPO / "dags" / f"{DAG_ID}.py").read_text()
 RUNNER = Path(__file__).with_name("airflow_runner.py")
 VALID_TYPES = "feature_engineering, model_training, batch_inference, realtime_inference"
 RUN_TASKS = ("run_on_cpu_spark", "run_on_gpu_slurm", "run_on_cpu_slurm", "serve_on_triton")
-
-
-@pytest.fixture
-def slurm():
-    hook = SlurmHook()
-    yield hook
-    hook.close()
 
 
 def states(result: dict) -> dict[str, str]:

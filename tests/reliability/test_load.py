@@ -71,6 +71,13 @@ def most_at_once(intervals: list[tuple[int, int]]) -> int:
     return peak
 
 
+def trigger_at_once(api, runs: int, sleep_s: int) -> list[tuple[int, dict]]:
+    """``runs`` POSTs of a reliability_probe run, all at once: (HTTP status, body) of each."""
+    return concurrently([lambda: api.post(f"/api/v2/dags/{PROBE_DAG}/dagRuns",
+                                          {"logical_date": None, "conf": {"sleep_s": sleep_s}})
+                         for _ in range(runs)])
+
+
 def test_most_at_once_counts_overlaps_not_back_to_back_jobs():
     assert most_at_once([(0, 5), (5, 9), (9, 12)]) == 1
     assert most_at_once([(0, 5), (4, 9), (8, 12)]) == 2
@@ -84,9 +91,7 @@ def test_fifty_rest_triggers_at_once_get_no_server_error(api):
     wait_for_dag(api, PROBE_DAG)
     api.patch(f"/api/v2/dags/{PROBE_DAG}", {"is_paused": True})
     started = time.monotonic()
-    posted = concurrently([lambda: api.post(f"/api/v2/dags/{PROBE_DAG}/dagRuns", {"logical_date": None,
-                                                                                "conf": {"sleep_s": 1}})
-                           for _ in range(TRIGGERS)])
+    posted = trigger_at_once(api, TRIGGERS, sleep_s=1)
     post_s = time.monotonic() - started
     run_ids = [body["dag_run_id"] for status, body in posted if status == 200]
     deleted = concurrently([lambda run_id=run_id: api.delete(f"/api/v2/dags/{PROBE_DAG}/dagRuns/{run_id}")
@@ -106,9 +111,7 @@ def test_burst_of_twenty_runs_all_finish_without_duplicates_or_oversubscribing_t
     wait_for_dag(api, PROBE_DAG)
     api.patch(f"/api/v2/dags/{PROBE_DAG}", {"is_paused": False})
     started = time.monotonic()
-    posted = concurrently([lambda: api.post(f"/api/v2/dags/{PROBE_DAG}/dagRuns", {"logical_date": None,
-                                                                                "conf": {"sleep_s": 2}})
-                           for _ in range(RUNS)])
+    posted = trigger_at_once(api, RUNS, sleep_s=2)
     assert all(status == 200 for status, _ in posted), [p for p in posted if p[0] != 200][:5]
     run_ids = [body["dag_run_id"] for _, body in posted]
     states = {run_id: wait_for_run(api, PROBE_DAG, run_id, timeout_s=900, poll_s=2) for run_id in run_ids}
