@@ -8,7 +8,6 @@ model path must be readable from the executors (the shared storage).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -17,32 +16,15 @@ from typing import TYPE_CHECKING, Any
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from hybridjobs import manifests, storage
+from hybridjobs import predictions, storage
+from hybridjobs.predictions import DEFAULT_BATCH_SIZE, ModelContractError, check_model, load_model
 from hybridjobs.spark import manifest_columns
 
 if TYPE_CHECKING:
     import pandas as pd
 
-DEFAULT_BATCH_SIZE = 65_536
+__all__ = ["DEFAULT_BATCH_SIZE", "ModelContractError", "check_model", "load_model", "run", "score_frames"]
 PREDICTION_SCHEMA = "customer_id string, score float"
-_MODELS: dict[str, Any] = {}
-
-
-class ModelContractError(ValueError):
-    """The model does not take [B, n_features] float32 or does not return [B, 1] float32."""
-
-
-def load_model(path: str) -> Any:
-    """The TorchScript module at ``path``, loaded once per process."""
-    model = _MODELS.get(path)
-    if model is None:
-        import torch
-
-        torch.set_num_threads(1)
-        model = torch.jit.load(path, map_location="cpu")
-        model.eval()
-        _MODELS[path] = model
-    return model
 
 
 def score_frames(frames: Iterator[pd.DataFrame], model_path: str,
@@ -52,44 +34,13 @@ def score_frames(frames: Iterator[pd.DataFrame], model_path: str,
     import pandas as pd
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # Spark already runs one Python worker per core
     model = load_model(model_path)
     columns = list(feature_columns)
     for frame in frames:
         inputs = np.ascontiguousarray(frame[columns].to_numpy(dtype=np.float32))
-        with torch.inference_mode():
-            scores = model(torch.from_numpy(inputs))
-        if tuple(scores.shape) != (len(inputs), 1):
-            raise ModelContractError(f"model returned shape {tuple(scores.shape)} for input {inputs.shape}; "
-                                     f"expected ({len(inputs)}, 1)")
         yield pd.DataFrame({"customer_id": frame["customer_id"].to_numpy(),
-                            "score": scores.numpy().reshape(-1).astype(np.float32, copy=False)})
-
-
-def check_model(model_path: str, n_features: int) -> None:
-    """Fails fast on the driver when the model does not fit the features manifest."""
-    import torch
-
-    model = load_model(model_path)
-    try:
-        with torch.inference_mode():
-            out = model(torch.zeros(2, n_features, dtype=torch.float32))
-    except Exception as err:  # TorchScript raises RuntimeError subclasses with the shapes in the text
-        raise ModelContractError(
-            f"model {model_path} cannot score [B, {n_features}] float32 (the features manifest lists "
-            f"{n_features} feature_columns): {err}"
-        ) from err
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, 1) or out.dtype != torch.float32:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ModelContractError(f"model {model_path} must return float32 [B, 1]; for B=2 it returned {got}")
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+                            "score": predictions.score_array(model, inputs)})
 
 
 def split_bytes(total_bytes: int, parallelism: int) -> int:
@@ -100,8 +51,7 @@ def split_bytes(total_bytes: int, parallelism: int) -> int:
 def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version: str,
         batch_size: int = DEFAULT_BATCH_SIZE) -> dict[str, Any]:
     """Scores ``features/ds=<ds>`` and publishes ``predictions/ds=<ds>``; returns the predictions manifest."""
-    if not model_version.strip():
-        raise ValueError("model_version must not be empty: every prediction row carries it")
+    predictions.check_version(model_version)
     started = time.monotonic()
     features_dir = storage.partition_dir(root, "features", ds)
     features_manifest = storage.read_manifest(features_dir)
@@ -120,12 +70,7 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
     scored = features.mapInPandas(scorer, PREDICTION_SCHEMA).withColumn("model_version", F.lit(model_version))
     scored.write.parquet(str(staging))
 
-    stats = manifests.column_stats(manifests.partition_files(staging),
-                                   ["customer_id", "score", "model_version"], ["score"])
-    rows = stats["row_count"]
-    if rows != features_manifest["row_count"]:
-        raise RuntimeError(f"scored {rows} rows but features/ds={ds} has {features_manifest['row_count']}: "
-                           "not publishing; the staging directory is left for inspection")
+    rows = features_manifest["row_count"]  # checked against the staged files by predictions.manifest
     seconds = round(time.monotonic() - started, 3)
     job = {
         "name": "score_batch",
@@ -135,16 +80,7 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
         "rows_per_s": round(rows / seconds, 1) if seconds else None,
         "batch_size": batch_size,
     }
-    manifest = storage.base_manifest("predictions", ds, rows, manifest_columns(scored), job)
-    manifest.update(
-        model={"path": model_path, "version": model_version, "sha256": file_sha256(model_path)},
-        feature_columns=feature_columns,
-        features_manifest={"created_at": features_manifest.get("created_at"),
-                           "row_count": features_manifest["row_count"]},
-        null_ratio=stats["null_ratio"],
-        nan_ratio=stats["nan_ratio"],
-        score_stats=stats["feature_stats"]["score"],
-        files=storage.data_files(staging),
-    )
+    manifest = predictions.manifest(staging, ds, features_manifest, manifest_columns(scored), job, model_path,
+                                    model_version)
     storage.publish(staging, target, manifest)
     return manifest
