@@ -11,10 +11,11 @@ serving stays on CPU while CPU p99 meets the latency budget. ETL never goes to G
 - `route` validates the spec against the rules and logs the decision and why; an unknown type, config field
   or profile figure is refused with what is accepted.
 - Then one of: `run_on_cpu_spark` (spark-submit of the job the rules name), `run_on_gpu_slurm` (one GPU on
-  the training partition), `run_on_cpu_slurm` (the `cpu` partition), `serve_on_triton` (checks the server
-  and records the decision; realtime serving is deployed by nightly_training). Commands come from the rules;
-  config values only fill their whitelisted, validated fields.
-- `dry_run=true` routes, logs and runs nothing.
+  the training partition), `run_on_cpu_slurm` (the `cpu` partition), `serve_on_triton` (deploys the model of
+  record through the deploy operator: publish, load beside the serving version, smoke test, latency gate,
+  promote or roll back). Commands come from the rules; config values only fill their whitelisted, validated
+  fields.
+- `dry_run=true` routes, logs exactly what it would run (the job's argv, or the deployment) and runs nothing.
 
 On-call: trigger it with `dry_run` to see where a workload would go and why, or to run one on its side by
 hand. Runbook: `include/runbooks/workload-router.md`.
@@ -27,6 +28,7 @@ from airflow.sdk import DAG, Param, task
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
 from hybridflow.params import closed_object, number, strict_params, workload_config
 from hybridflow.utils.routing import PROFILE_METRICS, routing_rules
 
@@ -71,10 +73,10 @@ with DAG(
     @task(multiple_outputs=True)
     def route(params=None, run_id=None) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
-        from hybridflow.exceptions import WorkloadSpecError
+        from hybridflow.exceptions import HybridflowError, WorkloadSpecError
         from hybridflow.nightly import model_of_record
         from hybridflow.paths import jobs_dir
-        from hybridflow.utils.routing import WorkloadSpec, plan_job, run_dir_for
+        from hybridflow.utils.routing import WorkloadSpec, plan_job, run_dir_for, triton_deploy_plan
         from hybridflow.utils.routing import route as decide
 
         try:  # a refused spec is refused again on retry: fail at once
@@ -90,9 +92,18 @@ with DAG(
             "model_path": lambda: model_of_record(config)["model_path"],
             "model_version": lambda: model_of_record(config)["version"],
         })
-        print(f"Routing decision: {decision.reason} (rule: {decision.rule}); job: {job}")
+        deploy = None
+        if decision.target == "triton":
+            try:
+                deploy = triton_deploy_plan(decision, model_of_record(config), config.serving)
+            except HybridflowError as exc:  # no model of record yet: nothing to deploy, retrying cannot help
+                raise AirflowFailException(f"{exc}. Runbook: {RUNBOOK}") from exc
+        print(f"Routing decision: {decision.reason} (rule: {decision.rule}); "
+              f"{'deployment: ' + deploy['summary'] if deploy else f'job: {job}'}")
         return {
             "decision": decision.as_dict(),
+            "deploy": deploy,
+            "triton_export_dir": deploy["export_dir"] if deploy else None,
             "run_dir": run_dir,
             "spark_application": str(jobs_dir() / job.application) if job and job.application else None,
             "spark_args": list(job.args) if job else [],
@@ -100,15 +111,16 @@ with DAG(
         }
 
     @task.branch
-    def choose_side(decision: dict, params=None) -> str | None:
+    def choose_side(decision: dict, deploy: dict | None, params=None) -> str | None:
         branch = BRANCHES[decision["target"]]
         if params["dry_run"]:
-            print(f"dry run: {decision['reason']}; would run {branch}, runs nothing")
+            what = f": {deploy['summary']}" if deploy else ""
+            print(f"dry run: {decision['reason']}; would run {branch}{what}; runs nothing")
             return None
         return branch
 
     routed = route()
-    chosen = choose_side(routed["decision"])
+    chosen = choose_side(routed["decision"], routed["deploy"])
 
     run_on_cpu_spark = SparkSubmitOperator(
         task_id="run_on_cpu_spark",
@@ -142,15 +154,12 @@ with DAG(
         for target in ("slurm_gpu", "slurm_cpu")
     }
 
-    @task
-    def serve_on_triton(decision: dict) -> dict:
-        from hybridflow.health import check_triton
+    serve_on_triton = TritonDeployOperator(
+        task_id="serve_on_triton",
+        export_dir="{{ ti.xcom_pull(task_ids='route', key='triton_export_dir') }}",
+        **deploy_kwargs(config.serving),
+        pool="triton_deploy",
+        doc_md=f"Runbook: {RUNBOOK}, then include/runbooks/deploy.md",
+    )
 
-        serving = config.serving
-        health = check_triton(serving.triton_conn_id)
-        print(f"Realtime serving routed to {decision['side']}: {decision['reason']}. Triton at "
-              f"{health['url']} is ready with {health['models']} model(s); serving.backend is "
-              f"{serving.backend}. The deploy stage of nightly_training publishes the model there.")
-        return {"decision": decision, "triton": health, "backend": serving.backend}
-
-    chosen >> [run_on_cpu_spark, *slurm_jobs.values(), serve_on_triton(routed["decision"])]
+    chosen >> [run_on_cpu_spark, *slurm_jobs.values(), serve_on_triton]

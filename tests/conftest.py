@@ -198,3 +198,36 @@ def slurm(stack):
     hook = SlurmHook()
     yield hook
     hook.close()
+
+
+@pytest.fixture(scope="session")
+def model_of_record(stack) -> dict:
+    """The stack's model of record (what scoring and the realtime route use): the champion a nightly run left,
+    or, on a stack that has none yet, a small untrained network of the features contract exported by the
+    training job's own export code and promoted as one (run_id ``tests-model-of-record``). A test that scores or
+    deploys so never depends on which test ran first."""
+    sys.path.insert(0, str(REPO / "jobs"))
+    import numpy as np
+    import torch
+    from hybridflow.config import pipeline_config
+    from hybridflow.nightly import model_of_record as current
+    from hybridflow.registry import ModelRegistry
+    from hybridjobs.features import FEATURE_COLUMNS
+    from hybridtrain.config import ModelSpec
+    from hybridtrain.export import SMOKE_ROWS, export_model
+    from hybridtrain.model import build_network
+
+    config = pipeline_config()
+    registry = ModelRegistry(config.storage.root, config.nightly.model_name)
+    if registry.champion() is None:
+        torch.manual_seed(0)
+        spec = ModelSpec(hidden_sizes=(16,), dropout=0.0)
+        n = len(FEATURE_COLUMNS)
+        export_dir = Path(config.storage.root) / "runs" / "tests-model-of-record" / "export"
+        export_model(build_network(n, spec).state_dict(), spec=spec, mean=np.zeros(n, np.float32),
+                     std=np.ones(n, np.float32), feature_columns=tuple(FEATURE_COLUMNS),
+                     smoke_inputs=np.random.default_rng(0).normal(size=(SMOKE_ROWS, n)).astype(np.float32),
+                     export_dir=export_dir, details={"step": 0, "run_id": "tests-model-of-record"})
+        registry.promote(str(export_dir), {"run_id": "tests-model-of-record", "decision": "promote",
+                                           "reason": "tests: no model of record on this stack yet"})
+    return current(config)

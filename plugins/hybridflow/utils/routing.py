@@ -523,3 +523,28 @@ def plan_job(decision: RouteDecision, rules: RoutingRules,
 def run_dir_for(storage_root: str, run_id: str) -> str:
     """Where a router run's job writes its log and result: one directory per DAG run, a path-safe name."""
     return f"{storage_root}/runs/router/{re.sub(r'[^A-Za-z0-9._-]+', '_', run_id)}"
+
+
+SERVER_SIDE = {"python": "cpu", "pytorch_libtorch": "gpu"}  # where Triton runs a backend's model instances
+
+
+def triton_deploy_plan(decision: RouteDecision, model: Mapping[str, Any], serving: Any) -> dict[str, Any]:
+    """What a realtime workload routed to Triton does: deploy the model of record through the deploy operator.
+
+    :param model: the model of record (``version``, ``export_dir``), as ``hybridflow.nightly.model_of_record``.
+    :param serving: the pipeline config's ``serving`` section (model name, repository, backend, the gate).
+    :returns: ``export_dir`` for the operator and ``summary``, the sentence a dry run prints.
+    """
+    server_side = SERVER_SIDE[serving.backend]
+    summary = (f"deploy the model of record {model['version']} ({model['export_dir']}) to Triton model "
+               f"{serving.model_name!r} in {serving.repository} (backend {serving.backend}: {server_side} "
+               "instances): publish it as a new version, or reuse the version holding the same model.pt; load it "
+               f"beside the serving version; smoke test; latency gate p99 <= {number(serving.slo_p99_ms)} ms over "
+               f"{serving.gate_requests} requests, {serving.gate_concurrency} in flight; promote it or roll back")
+    if server_side != decision.side:
+        summary += (f". Note: routed to the {decision.side} side, but this estate's Triton serves on "
+                    f"{server_side} (serving.backend: {serving.backend}); set serving.backend to "
+                    f"{next(b for b, s in SERVER_SIDE.items() if s == decision.side)} for {decision.side} "
+                    "servers")
+    return {"export_dir": model["export_dir"], "model_version": model["version"], "model_name": serving.model_name,
+            "backend": serving.backend, "server_side": server_side, "summary": summary}
