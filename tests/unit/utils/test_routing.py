@@ -29,6 +29,7 @@ SYSTEM = {"storage_root": "/st", "run_dir": "/st/runs/router/r1", "cluster_pytho
           "cluster_jobs_dir": "/code/jobs", "model_path": MODEL, "model_version": "v2"}
 STEP = ("/venv/bin/python", "/code/jobs/allreduce_bench.py", "--out", "/st/runs/router/r1/training_step.json",
         "--procs", "2", "--hidden-sizes")
+LOCAL_SCORING = ("/venv/bin/python", "/code/jobs/score_batch_local.py")
 
 
 def system(**overrides):
@@ -189,8 +190,11 @@ def test_routing_profile_that_is_not_measured_figures_is_refused(profile, fragme
          PlannedJob("spark", "score_batch.py",
                     ("--root", "/st", "--ds", "2026-01-05", "--model", MODEL, "--model-version", "v2"))),
         ("batch_inference", {"ds": "2026-01-05"}, {"gpu_speedup": 9, "batch_rows": 3_000_000},
-         PlannedJob("slurm_gpu",
-                    command=("bash", "-c", 'echo "host=$(hostname) gpus=${CUDA_VISIBLE_DEVICES:-none}"'))),
+         PlannedJob("slurm_gpu", command=(*LOCAL_SCORING, "--root", "/st", "--ds", "2026-01-05", "--model", MODEL,
+                                          "--model-version", "v2"))),
+        ("batch_inference", {"rows": 5000}, {"gpu_speedup": 9, "batch_rows": 3_000_000},
+         PlannedJob("slurm_gpu", command=(*LOCAL_SCORING, "--probe-rows", "5000", "--model", MODEL,
+                                          "--model-version", "v2"))),
         ("model_training", {}, {},
          PlannedJob("slurm_gpu", command=(*STEP, "128,64", "--batch", "1024", "--repeats", "5"))),
         ("model_training", {"hidden_sizes": "512,256,128", "batch": 64},

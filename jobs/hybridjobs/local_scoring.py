@@ -1,0 +1,170 @@
+"""Batch scoring without Spark: a TorchScript model over a features partition, read and written with pyarrow one
+batch at a time, on the GPU the job was given (the CPUs when it has none).
+
+The job of the Slurm GPU route (``jobs/score_batch_local.py``). It publishes exactly what the Spark scorer
+(``hybridjobs.scoring``) publishes: the same columns, an atomic partition, the manifest of
+``hybridjobs.predictions`` with the row count checked against the features manifest; its job section adds the
+device. Needs torch, numpy and pyarrow, never pyspark: the cluster's job environment has no Spark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from hybridjobs import manifests, predictions, storage
+from hybridjobs.predictions import DEFAULT_BATCH_SIZE, PREDICTION_COLUMNS, ModelContractError
+
+__all__ = ["COLUMNS", "DEFAULT_BATCH_SIZE", "DEVICES", "ModelContractError", "probe", "resolve_device", "run"]
+DEVICES = ("auto", "cpu", "cuda")
+# The manifest's type names, as the Spark scorer's manifest has them (hybridjobs.spark.MANIFEST_TYPES).
+COLUMN_TYPES = {"customer_id": "string", "score": "float32", "model_version": "string"}
+COLUMNS = [{"name": name, "type": COLUMN_TYPES[name]} for name in PREDICTION_COLUMNS]
+SCHEMA = pa.schema([(column["name"], pa.type_for_alias(column["type"])) for column in COLUMNS])
+
+
+def resolve_device(requested: str | None = None) -> str:
+    """``cuda`` when torch sees a GPU, else ``cpu`` (``None`` or ``auto``); ``cuda`` without a GPU is an error."""
+    import torch
+
+    if requested not in (None, *DEVICES):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {requested!r}")
+    if requested in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device cuda asked for, but torch {torch.__version__} sees no GPU "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, built for CUDA "
+                         f"{torch.version.cuda})")
+    return requested
+
+
+def allotted_cpus() -> int:
+    """The CPUs this process may run on: what Slurm gave the job (its CPU binding), else the machine's."""
+    return len(os.sched_getaffinity(0))
+
+
+def _device_job(device: str, batch_size: int) -> dict[str, Any]:
+    """The job section's keys that say where the scoring ran."""
+    import torch
+
+    return {
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "torch_threads": torch.get_num_threads(),
+        "batch_size": batch_size,
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+    }
+
+
+def _prepare(model_version: str, batch_size: int, device: str | None) -> str:
+    """Checks the arguments; returns the device and sets torch's threads to the process's CPUs."""
+    import torch
+
+    predictions.check_version(model_version)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = resolve_device(device)
+    torch.set_num_threads(allotted_cpus())
+    return device
+
+
+def _inputs(batch: pa.RecordBatch, feature_columns: list[str]) -> np.ndarray:
+    """float32 [B, n] in ``feature_columns`` order; a null becomes NaN, as in the Spark scorer."""
+    columns = [pc.cast(batch.column(name), pa.float32()).to_numpy(zero_copy_only=False) for name in feature_columns]
+    return np.ascontiguousarray(np.column_stack(columns), dtype=np.float32)
+
+
+def _score_file(model: Any, source: Path, out: Path, feature_columns: list[str], model_version: str,
+                batch_size: int, device: str) -> int:
+    """Scores one features file into one predictions file, a row group per batch; returns the rows written."""
+    rows = 0
+    version = pa.scalar(model_version, pa.string())
+    with pq.ParquetFile(source) as reader, pq.ParquetWriter(out, SCHEMA) as writer:
+        for batch in reader.iter_batches(batch_size=batch_size, columns=["customer_id", *feature_columns]):
+            scores = predictions.score_array(model, _inputs(batch, feature_columns), device)
+            writer.write_batch(pa.record_batch(
+                [pc.cast(batch.column("customer_id"), pa.string()), pa.array(scores, pa.float32()),
+                 pa.repeat(version, batch.num_rows)], schema=SCHEMA))
+            rows += batch.num_rows
+    return rows
+
+
+def run(root: str, ds: str, model_path: str, model_version: str, batch_size: int = DEFAULT_BATCH_SIZE,
+        device: str | None = None) -> dict[str, Any]:
+    """Scores ``features/ds=<ds>`` and publishes ``predictions/ds=<ds>``, replacing an earlier run of the ds;
+    returns the predictions manifest.
+
+    :param device: ``cpu``, ``cuda`` or ``auto``/None (the GPU when torch sees one). Torch runs on as many threads
+        as the process has CPUs (those Slurm gave the job).
+    :raises storage.PartitionNotPublishedError: the features partition is not published.
+    :raises ModelContractError: the model does not take the manifest's feature columns (before any row is read).
+    """
+    device = _prepare(model_version, batch_size, device)
+    started = time.monotonic()
+    features_dir = storage.partition_dir(root, "features", ds)
+    features_manifest = storage.read_manifest(features_dir)
+    feature_columns = list(features_manifest["feature_columns"])
+    predictions.check_model(model_path, len(feature_columns), device)
+    model = predictions.load_model(model_path, device)
+
+    target = storage.partition_dir(root, "predictions", ds)
+    staging = storage.new_staging_dir(target)
+    staging.mkdir()
+    sources = manifests.partition_files(features_dir)
+    if not sources:  # an empty partition still carries the schema, as Spark writes one
+        pq.write_table(SCHEMA.empty_table(), staging / "part-00000.parquet")
+    rows = sum(_score_file(model, source, staging / f"part-{index:05d}.parquet", feature_columns, model_version,
+                           batch_size, device)
+               for index, source in enumerate(sources))
+    seconds = round(time.monotonic() - started, 3)
+    job = {"name": "score_batch_local", **_device_job(device, batch_size), "seconds": seconds,
+           "rows_per_s": round(rows / seconds, 1) if seconds else None}
+    manifest = predictions.manifest(staging, ds, features_manifest, COLUMNS, job, model_path, model_version)
+    storage.publish(staging, target, manifest)
+    return manifest
+
+
+def model_width(model_path: str) -> int:
+    """The model's number of input features, from the ``signature.json`` its export wrote beside it."""
+    signature = Path(model_path).with_name("signature.json")
+    try:
+        return int(json.loads(signature.read_text())["n_features"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ModelContractError(f"cannot read the model's input width (n_features) from {signature}: {err}; "
+                                 "the probe needs a model exported by the training job") from err
+
+
+def probe(model_path: str, model_version: str, rows: int, batch_size: int = DEFAULT_BATCH_SIZE,
+          device: str | None = None) -> dict[str, Any]:
+    """Scores ``rows`` synthetic rows with the model on ``device`` and publishes nothing: proves the scoring side
+    (job environment, device, model) works and measures its rate when there is no partition to score.
+
+    :raises ModelContractError: the model has no readable signature or does not take its own width.
+    """
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    device = _prepare(model_version, batch_size, device)
+    n_features = model_width(model_path)
+    predictions.check_model(model_path, n_features, device)
+    model = predictions.load_model(model_path, device)
+    generator = np.random.default_rng(0)
+    started = time.monotonic()
+    scored = 0
+    for offset in range(0, rows, batch_size):
+        inputs = generator.standard_normal((min(batch_size, rows - offset), n_features), dtype=np.float32)
+        scored += len(predictions.score_array(model, inputs, device))
+    seconds = round(time.monotonic() - started, 3)
+    return {"name": "score_batch_local probe", "rows": scored, "n_features": n_features,
+            "model": {"path": model_path, "version": model_version}, **_device_job(device, batch_size),
+            "seconds": seconds, "rows_per_s": round(scored / seconds, 1) if seconds else None}
