@@ -79,12 +79,6 @@ def _prepare(model_version: str, batch_size: int, device: str | None) -> str:
     return device
 
 
-def _inputs(batch: pa.RecordBatch, feature_columns: list[str]) -> np.ndarray:
-    """float32 [B, n] in ``feature_columns`` order; a null becomes NaN, as in the Spark scorer."""
-    columns = [pc.cast(batch.column(name), pa.float32()).to_numpy(zero_copy_only=False) for name in feature_columns]
-    return np.ascontiguousarray(np.column_stack(columns), dtype=np.float32)
-
-
 def _score_file(model: Any, source: Path, out: Path, feature_columns: list[str], model_version: str,
                 batch_size: int, device: str) -> int:
     """Scores one features file into one predictions file, a row group per batch; returns the rows written."""
@@ -92,7 +86,7 @@ def _score_file(model: Any, source: Path, out: Path, feature_columns: list[str],
     version = pa.scalar(model_version, pa.string())
     with pq.ParquetFile(source) as reader, pq.ParquetWriter(out, SCHEMA) as writer:
         for batch in reader.iter_batches(batch_size=batch_size, columns=["customer_id", *feature_columns]):
-            scores = predictions.score_array(model, _inputs(batch, feature_columns), device)
+            scores = predictions.score_array(model, predictions.batch_inputs(batch, feature_columns), device)
             writer.write_batch(pa.record_batch(
                 [pc.cast(batch.column("customer_id"), pa.string()), pa.array(scores, pa.float32()),
                  pa.repeat(version, batch.num_rows)], schema=SCHEMA))

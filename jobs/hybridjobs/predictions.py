@@ -7,6 +7,7 @@ has torch and pyarrow but no pyspark.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,19 @@ def load_model(path: str, device: str = "cpu") -> Any:
         model.eval()
         _MODELS[(path, device)] = model
     return model
+
+
+def batch_inputs(batch: Any, feature_columns: Sequence[str]) -> Any:
+    """The model's float32 [B, n] input from an Arrow record batch, columns in ``feature_columns`` order (not
+    the batch's); a null is NaN. Both scoring paths build their inputs here.
+
+    One copy: float32 columns without nulls are read zero-copy and stacked into a C-contiguous [n, B] block,
+    returned transposed (a view).
+    """
+    import numpy as np
+
+    columns = [batch.column(name).to_numpy(zero_copy_only=False) for name in feature_columns]
+    return np.stack(columns, dtype=np.float32).T
 
 
 def score_array(model: Any, inputs: Any, device: str = "cpu") -> Any:

@@ -1,51 +1,106 @@
-"""Batch scoring: a TorchScript model over a features partition, Arrow batches through ``mapInPandas``.
+"""Batch scoring on Spark: a TorchScript model over a features partition, scored and written by Spark tasks.
 
 The model takes float32 [B, n_features] in the order of the features manifest's ``feature_columns`` and
-returns float32 [B, 1] probabilities. Each Python worker loads it once (``_MODELS``, keyed by path; Spark
-reuses its workers across tasks) and runs torch on one thread: Spark already runs one worker per core. The
-model path must be readable from the executors (the shared storage).
+returns float32 [B, 1] probabilities (the contract of ``hybridjobs.predictions``). Spark spreads the work over
+its executors' Python workers (``mapInArrow`` over task ids) and retries failed tasks; each task reads its
+Parquet row groups with pyarrow, scores them with torch and writes one predictions file with pyarrow.
+
+Why the rows never pass through the JVM, measured with ``make bench BENCH=scoring`` (2M rows, 2 cores): Spark
+reads the features fast (~1 s), but handing their 30 float columns to Python costs a columnar -> row -> Arrow
+conversion of every value (4-5 s for the round trip; Spark 4.3 skips it only for Arrow-backed sources), and
+writing the predictions through Spark costs another row conversion and its Parquet writer (~0.5 s). With
+both in the tasks the job runs at 0.8-1.2x a plain single process (which reads, scores and writes one phase
+after the other), against 0.2x for ``mapInPandas`` over Spark's reader and writer.
+
+- ``assign_row_groups`` gives each core one task of whole row groups, balanced by rows: a task costs a Python
+  worker ~0.1 s, and batches never span row groups.
+- ``batch_inputs`` reads each feature column zero-copy and stacks the columns once into a [n, B] block whose
+  transpose is the model's [B, n] input (torch's matmul takes it without another copy).
+- One Python worker per core, so torch runs on one thread and pyarrow without its thread pool in each. Spark
+  reuses its Python workers across tasks (``spark.python.worker.reuse``, on by default) and ``load_model``
+  caches per process: one model load per worker.
+- A task writes ``part-<task>.parquet`` under a hidden temporary name and renames it when complete, so a retried
+  or speculative attempt replaces the file whole; the job publishes the staging directory only after every
+  task succeeded and the row count matches the features manifest.
+
+The features, the model and the staging directory must be on storage the driver and the executors share.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
-from hybridjobs import predictions, storage
-from hybridjobs.predictions import DEFAULT_BATCH_SIZE, ModelContractError, check_model, load_model
-from hybridjobs.spark import manifest_columns
+from hybridjobs import manifests, predictions, storage
+from hybridjobs.predictions import DEFAULT_BATCH_SIZE, ModelContractError, batch_inputs, check_model, load_model
 
-if TYPE_CHECKING:
-    import pandas as pd
+__all__ = ["COLUMNS", "DEFAULT_BATCH_SIZE", "SCHEMA", "ModelContractError", "assign_row_groups", "batch_inputs",
+           "check_model", "load_model", "plan", "run", "score_tasks"]
+# The manifest's columns, as Spark's own writer declared them (model_version, a literal, is required).
+COLUMNS = [{"name": "customer_id", "type": "string"}, {"name": "score", "type": "float32"},
+           {"name": "model_version", "type": "string"}]
+SCHEMA = pa.schema([pa.field("customer_id", pa.string()), pa.field("score", pa.float32()),
+                    pa.field("model_version", pa.string(), nullable=False)])
+WRITTEN_SCHEMA = "file string, rows long"
+RowGroup = tuple[str, int]  # (Parquet file, row group index)
 
-__all__ = ["DEFAULT_BATCH_SIZE", "ModelContractError", "check_model", "load_model", "run", "score_frames"]
-PREDICTION_SCHEMA = "customer_id string, score float"
+
+def assign_row_groups(row_groups: Sequence[tuple[str, int, int]], tasks: int) -> list[list[RowGroup]]:
+    """(file, row group, rows) -> ``tasks`` lists of (file, row group), fewer when there are fewer row groups
+    (but always one), balanced by rows: each row group, largest first, goes to the task with the fewest rows."""
+    loads: list[tuple[int, list[RowGroup]]] = [(0, []) for _ in range(max(1, min(tasks, len(row_groups))))]
+    for path, index, rows in sorted(row_groups, key=lambda group: -group[2]):
+        lightest = min(range(len(loads)), key=lambda task: loads[task][0])
+        total, assigned = loads[lightest]
+        loads[lightest] = (total + rows, [*assigned, (path, index)])
+    return [sorted(assigned) for _, assigned in loads]
 
 
-def score_frames(frames: Iterator[pd.DataFrame], model_path: str,
-                 feature_columns: Sequence[str]) -> Iterator[pd.DataFrame]:
-    """mapInPandas body: one output frame (customer_id, score) per Arrow batch."""
-    import numpy as np
-    import pandas as pd
+def score_tasks(task_ids: Iterator[pa.RecordBatch], tasks: Sequence[Sequence[RowGroup]], staging: str,
+                model_path: str, feature_columns: Sequence[str], model_version: str,
+                batch_size: int) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body over task ids: scores each task's row groups into ``<staging>/part-<task>.parquet``
+    and yields one (file, rows) row per task."""
     import torch
 
     torch.set_num_threads(1)  # Spark already runs one Python worker per core
     model = load_model(model_path)
-    columns = list(feature_columns)
-    for frame in frames:
-        inputs = np.ascontiguousarray(frame[columns].to_numpy(dtype=np.float32))
-        yield pd.DataFrame({"customer_id": frame["customer_id"].to_numpy(),
-                            "score": predictions.score_array(model, inputs)})
+    version = pa.scalar(model_version, pa.string())
+    columns = ["customer_id", *feature_columns]
+    for ids in task_ids:
+        for task in ids.column(0).to_pylist():
+            target = Path(staging) / f"part-{task:05d}.parquet"
+            partial_file = target.with_name(f".{target.name}.{os.getpid()}")
+            rows = 0
+            with pq.ParquetWriter(partial_file, SCHEMA) as writer:  # no row group: still a file with the schema
+                for path, index in tasks[task]:
+                    # use_threads=False: the other cores run the other tasks
+                    for batch in pq.ParquetFile(path).iter_batches(batch_size, row_groups=[index], columns=columns,
+                                                                   use_threads=False):
+                        scores = predictions.score_array(model, batch_inputs(batch, feature_columns))
+                        writer.write_batch(pa.record_batch(
+                            [batch.column("customer_id"), pa.array(scores, pa.float32()),
+                             pa.repeat(version, batch.num_rows)], schema=SCHEMA))
+                        rows += batch.num_rows
+            partial_file.replace(target)
+            yield pa.record_batch({"file": [target.name], "rows": [rows]})
 
 
-def split_bytes(total_bytes: int, parallelism: int) -> int:
-    """Input split size that gives every core at least two tasks when the files allow it (128 MiB cap)."""
-    return int(min(128 << 20, max(4 << 20, total_bytes // (2 * max(1, parallelism)))))
+def plan(features_dir: Path, parallelism: int) -> list[list[RowGroup]]:
+    """The tasks of a features partition, from its Parquet footers."""
+    row_groups = []
+    for path in manifests.partition_files(features_dir):
+        metadata = pq.ParquetFile(path).metadata
+        row_groups += [(str(path), i, metadata.row_group(i).num_rows) for i in range(metadata.num_row_groups)]
+    return assign_row_groups(row_groups, parallelism)
 
 
 def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version: str,
@@ -58,17 +113,15 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
     feature_columns = list(features_manifest["feature_columns"])
     check_model(model_path, len(feature_columns))
 
-    input_bytes = sum((features_dir / f).stat().st_size for f in storage.data_files(features_dir))
-    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", str(batch_size))
-    spark.conf.set("spark.sql.files.maxPartitionBytes",
-                   str(split_bytes(input_bytes, spark.sparkContext.defaultParallelism)))
-
     target = storage.partition_dir(root, "predictions", ds)
     staging = storage.new_staging_dir(target)
-    features = spark.read.parquet(str(features_dir)).select("customer_id", *feature_columns)
-    scorer = partial(score_frames, model_path=model_path, feature_columns=tuple(feature_columns))
-    scored = features.mapInPandas(scorer, PREDICTION_SCHEMA).withColumn("model_version", F.lit(model_version))
-    scored.write.parquet(str(staging))
+    staging.mkdir()
+    tasks = plan(features_dir, spark.sparkContext.defaultParallelism)
+    scorer = partial(score_tasks, tasks=tasks, staging=str(staging), model_path=model_path,
+                     feature_columns=tuple(feature_columns), model_version=model_version, batch_size=batch_size)
+    spark.range(len(tasks), numPartitions=len(tasks)).mapInArrow(scorer, WRITTEN_SCHEMA).collect()
+    for leftover in staging.glob(".part-*"):  # a killed attempt's partial file; its retry wrote the part whole
+        leftover.unlink()
 
     rows = features_manifest["row_count"]  # checked against the staged files by predictions.manifest
     seconds = round(time.monotonic() - started, 3)
@@ -80,7 +133,6 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
         "rows_per_s": round(rows / seconds, 1) if seconds else None,
         "batch_size": batch_size,
     }
-    manifest = predictions.manifest(staging, ds, features_manifest, manifest_columns(scored), job, model_path,
-                                    model_version)
+    manifest = predictions.manifest(staging, ds, features_manifest, COLUMNS, job, model_path, model_version)
     storage.publish(staging, target, manifest)
     return manifest
