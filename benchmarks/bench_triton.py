@@ -144,7 +144,8 @@ def main() -> dict:
     import numpy as np
     import torch
     from hybridflow.config import load_pipeline_config
-    from hybridflow.hooks.triton import TritonHook, open_repository
+    from hybridflow.hooks.model_repository import open_repository
+    from hybridflow.hooks.triton import TritonHook
 
     stack_environment()
     serving = load_pipeline_config().serving

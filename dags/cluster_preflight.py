@@ -16,7 +16,7 @@ from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.params import integer, strict_params, text
-from hybridflow.preflight import preflight_result_path
+from hybridflow.pipeline.preflight import preflight_result_path
 from hybridflow.timetables import cron_schedule
 
 config = pipeline_config()
@@ -60,7 +60,7 @@ with DAG(
 
     @task(retries=0)  # it judges the file the benchmark wrote: a retry would read the same figures
     def allreduce_share_gate(params=None) -> str:
-        from hybridflow.preflight import check_latest_preflight
+        from hybridflow.pipeline.preflight import check_latest_preflight
 
         return check_latest_preflight(pipeline_config(), params["nodes"], params["gpus_per_node"])
 

@@ -93,7 +93,7 @@ with DAG(
 
     @task(retries=0)  # a decision from params: a retry would decide the same
     def plan(params=None, dag_run=None, ds=None) -> dict:
-        from hybridflow.utils.nightly import plan_run
+        from hybridflow.pipeline.nightly import plan_run
 
         decided = plan_run(dag_run.run_type, params, ds)
         print(f"Plan for ds={ds}: {decided.reason}; train={decided.train}, deploy={decided.deploy_mode}")
@@ -108,7 +108,7 @@ with DAG(
         @task
         def simulate_raw_events(ds=None) -> str:
             from airflow.sdk.exceptions import AirflowSkipException
-            from hybridflow.nightly import simulate_raw_events
+            from hybridflow.pipeline.nightly_tasks import simulate_raw_events
 
             if not config.nightly.simulate_raw:
                 raise AirflowSkipException("raw events come from upstream (nightly.simulate_raw is off)")
@@ -117,14 +117,14 @@ with DAG(
         @task.sensor(poke_interval=60, timeout=cfg.raw_wait_timeout_min * 60, mode="reschedule",
                      trigger_rule="none_failed_min_one_success")
         def raw_events_published(ds=None) -> bool:
-            from hybridflow.nightly import raw_is_published
+            from hybridflow.pipeline.nightly_tasks import raw_is_published
 
             return raw_is_published(config, ds)
 
         @task(retries=0)  # judges the last preflight's figures; rerun cluster_preflight instead
         def allreduce_preflight(run_plan: dict, params=None) -> str:
             from airflow.sdk.exceptions import AirflowSkipException
-            from hybridflow.preflight import check_latest_preflight
+            from hybridflow.pipeline.preflight import check_latest_preflight
 
             if not run_plan["train"]:
                 raise AirflowSkipException("this run does not train")
@@ -154,7 +154,7 @@ with DAG(
 
         @task(retries=0)  # the same partition fails the same checks; fix the data, then clear the task
         def quality_gate(ds=None) -> dict:
-            from hybridflow.nightly import quality_gate
+            from hybridflow.pipeline.nightly_tasks import quality_gate
 
             return quality_gate(config, ds)
 
@@ -171,7 +171,7 @@ with DAG(
 
         @task
         def prepare(params=None, ds=None, run_id=None) -> dict:
-            from hybridflow.nightly import prepare_training
+            from hybridflow.pipeline.nightly_tasks import prepare_training
 
             return prepare_training(config, ds, run_id, params)
 
@@ -226,7 +226,7 @@ with DAG(
 
         @task(outlets=[MODEL])
         def champion_challenger(prepared_run: dict, ds=None, run_id=None) -> dict:
-            from hybridflow.nightly import decide_and_publish
+            from hybridflow.pipeline.nightly_tasks import decide_and_publish
 
             decision = decide_and_publish(config, prepared_run, ds, run_id)
             print(decision["reason"])
@@ -238,7 +238,7 @@ with DAG(
 
         @task(trigger_rule="none_failed_min_one_success")
         def model_of_record() -> dict:
-            from hybridflow.nightly import model_of_record
+            from hybridflow.pipeline.nightly_tasks import model_of_record
 
             return model_of_record(config)
 
@@ -265,7 +265,7 @@ with DAG(
         def plan_deploy(run_plan: dict, model: dict, ti=None) -> str:
             from airflow.sdk.exceptions import AirflowSkipException
             from hybridflow.hooks.triton import TritonHook
-            from hybridflow.utils.nightly import should_deploy
+            from hybridflow.pipeline.nightly import should_deploy
 
             decision = ti.xcom_pull(task_ids="evaluation.champion_challenger") or {}
             serving = TritonHook(config.serving.triton_conn_id).ready_versions(config.serving.model_name)

@@ -52,7 +52,7 @@ with DAG(
         from airflow.sdk.exceptions import AirflowFailException
         from hybridflow.exceptions import JobActionRefused
         from hybridflow.hooks.slurm import SlurmHook
-        from hybridflow.oncall import look_up
+        from hybridflow.pipeline.oncall_actions import look_up
 
         hook = SlurmHook(ssh_conn_id)
         try:
@@ -69,7 +69,7 @@ with DAG(
     @task
     def apply_action(before: dict, params=None) -> dict:
         from hybridflow.hooks.slurm import SlurmHook
-        from hybridflow.oncall import act
+        from hybridflow.pipeline.oncall_actions import act
 
         hook = SlurmHook(ssh_conn_id)
         try:

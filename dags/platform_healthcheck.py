@@ -37,7 +37,7 @@ with DAG(
 
     @task
     def slurm_partition(params=None) -> dict:
-        from hybridflow.health import check_slurm_partition
+        from hybridflow.pipeline.health import check_slurm_partition
 
         return check_slurm_partition(config.cluster.ssh_conn_id, params["partition"])
 
@@ -58,7 +58,7 @@ with DAG(
     @task
     def spark_submit(params=None) -> dict:
         from airflow.sdk.exceptions import AirflowSkipException
-        from hybridflow.health import check_spark
+        from hybridflow.pipeline.health import check_spark
 
         if not params["run_spark"]:
             raise AirflowSkipException("run_spark is off")
@@ -66,7 +66,7 @@ with DAG(
 
     @task
     def triton_server() -> dict:
-        from hybridflow.health import check_triton
+        from hybridflow.pipeline.health import check_triton
 
         return check_triton("triton_default")
 

@@ -51,7 +51,7 @@ with DAG(
 
     @task(execution_timeout=timedelta(minutes=10), multiple_outputs=False)
     def reconcile(params=None, ti=None) -> dict:
-        from hybridflow.reconciler import reconcile_cluster
+        from hybridflow.pipeline.reconciler import reconcile_cluster
 
         return reconcile_cluster(config.cluster.ssh_conn_id, ti, grace_s=params["grace_s"],
                                  dry_run=params["dry_run"], dag_ids=params["dag_ids"], notifier=failure_alert())

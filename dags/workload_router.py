@@ -30,7 +30,7 @@ from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
 from hybridflow.params import closed_object, number, strict_params, workload_config
-from hybridflow.utils.routing import PROFILE_METRICS, routing_rules
+from hybridflow.pipeline.routing import PROFILE_METRICS, routing_rules
 
 config = pipeline_config()
 rules = routing_rules()
@@ -74,10 +74,10 @@ with DAG(
     def route(params=None, run_id=None) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
         from hybridflow.exceptions import HybridflowError, WorkloadSpecError
-        from hybridflow.nightly import model_of_record
         from hybridflow.paths import jobs_dir
-        from hybridflow.utils.routing import WorkloadSpec, plan_job, run_dir_for, triton_deploy_plan
-        from hybridflow.utils.routing import route as decide
+        from hybridflow.pipeline.nightly_tasks import model_of_record
+        from hybridflow.pipeline.routing import WorkloadSpec, plan_job, run_dir_for, triton_deploy_plan
+        from hybridflow.pipeline.routing import route as decide
 
         try:  # a refused spec is refused again on retry: fail at once
             decision = decide(WorkloadSpec.from_params(params), rules)

@@ -210,8 +210,8 @@ def model_of_record(stack) -> dict:
     import numpy as np
     import torch
     from hybridflow.config import pipeline_config
-    from hybridflow.nightly import model_of_record as current
-    from hybridflow.registry import ModelRegistry
+    from hybridflow.pipeline.nightly_tasks import model_of_record as current
+    from hybridflow.pipeline.registry import ModelRegistry
     from hybridjobs.features import FEATURE_COLUMNS
     from hybridtrain.config import ModelSpec
     from hybridtrain.export import SMOKE_ROWS, export_model

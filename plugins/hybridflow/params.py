@@ -128,7 +128,7 @@ def field_union(schemas: Iterable[tuple[str, Mapping[str, Any]]]) -> dict[str, d
 
 def workload_config(workloads: Iterable[Any]) -> dict[str, Any]:
     """The ``config`` object of the workload router: every field some workload type of routing.yaml accepts
-    (``hybridflow.utils.routing.WorkloadRules``), typed as its rule says. Which type takes which field is checked
+    (``hybridflow.pipeline.routing.WorkloadRules``), typed as its rule says. Which type takes which field is checked
     by the route task (a param's schema cannot see the other params)."""
     def schema(rule: Any) -> dict[str, Any]:
         if rule.type == "integer":

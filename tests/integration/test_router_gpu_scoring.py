@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hybridflow.utils.routing import run_dir_for
+from hybridflow.pipeline.routing import run_dir_for
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "workload_router"

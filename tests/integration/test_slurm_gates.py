@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from hybridflow.hooks.checkpoints import S3CheckpointStore, SshCheckpointStore, newest_complete
+from hybridflow.hooks.checkpoint import S3CheckpointStore, SshCheckpointStore, newest_complete
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.storage import StorageHook
 

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from hybridflow.exceptions import DataQualityError
-from hybridflow.utils import quality
+from hybridflow.pipeline import quality
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "jobs"

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hybridflow.hooks.triton import LocalModelRepository, S3ModelRepository, TritonHook, open_repository
+from hybridflow.hooks.model_repository import LocalModelRepository, S3ModelRepository, open_repository
+from hybridflow.hooks.triton import TritonHook
 from hybridflow.utils.triton import RECORD_FILE, Repository, VersionRecord, VersionStatus
 
 REPO = Path(__file__).resolve().parents[2]

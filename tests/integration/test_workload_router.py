@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
-from hybridflow.registry import file_sha256
-from hybridflow.utils.routing import run_dir_for
+from hybridflow.pipeline.registry import file_sha256
+from hybridflow.pipeline.routing import run_dir_for
 from hybridflow.utils.slurm import deterministic_job_name
 
 REPO = Path(__file__).resolve().parents[2]

@@ -257,7 +257,7 @@ def test_bad_raw_input_is_quarantined_or_refused_never_silently_wrong(tmp_path):
     assert code == 0, err[-3000:]
     fm = manifest(root, "features", DS)
     from hybridflow.exceptions import DataQualityError
-    from hybridflow.utils import quality
+    from hybridflow.pipeline import quality
     with pytest.raises(DataQualityError):
         quality.gate(fm, None, quality.load_contract())
     outcomes["empty_rows"] = f"published_rows={fm['row_count']}+gate_fails"

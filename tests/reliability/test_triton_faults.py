@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hybridflow.hooks.triton import LocalModelRepository, TritonHook
+from hybridflow.hooks.model_repository import LocalModelRepository
+from hybridflow.hooks.triton import TritonHook
 from hybridflow.utils.triton import Repository, VersionStatus
 
 REPO = Path(__file__).resolve().parents[2]

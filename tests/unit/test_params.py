@@ -25,7 +25,7 @@ from hybridflow.params import (
     text,
     workload_config,
 )
-from hybridflow.utils.routing import load_routing_rules
+from hybridflow.pipeline.routing import load_routing_rules
 
 ROUTER_CONFIG = workload_config(load_routing_rules().workloads.values())
 KINDS = {

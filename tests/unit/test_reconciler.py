@@ -1,5 +1,5 @@
-"""The reconciler's pass (hybridflow.reconciler): every job judged before any is cancelled, dry runs cancel nothing,
-cancels counted only when Slurm's own state says CANCELLED, and the on-call alert of what was cancelled.
+"""The reconciler's pass (hybridflow.pipeline.reconciler): every job judged before any is cancelled, dry runs cancel
+nothing, cancels counted only when Slurm's own state says CANCELLED, and the on-call alert of what was cancelled.
 
 ``FakeSlurm`` is a double at the SSH boundary (the hook's ``user_jobs`` and ``cancel``); the real hook, squeue and
 scancel run in tests/integration/test_slurm_reconciler.py. Everything behind the boundary is real.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from hybridflow.exceptions import SlurmJobFailed
-from hybridflow.reconciler import reconcile, reconcile_cluster, task_lookup
+from hybridflow.pipeline.reconciler import reconcile, reconcile_cluster, task_lookup
 from hybridflow.utils.reconcile import JobListing, ListedJob, TaskLook
 from hybridflow.utils.slurm_jobs import SlurmJobKey, SlurmJobStatus
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hybridflow.registry import ModelRegistry, RegistryError
+from hybridflow.pipeline.registry import ModelRegistry, RegistryError
 
 
 def export(tmp_path, name: str, payload: bytes):

@@ -46,9 +46,9 @@ class RunReportOperator(BaseOperator):
         from pathlib import Path
 
         from hybridflow.config import pipeline_config
-        from hybridflow.nightly import read_cluster_json, scoring_figures
-        from hybridflow.utils.nightly import run_key, training_figures
-        from hybridflow.utils.report import write_report
+        from hybridflow.pipeline.nightly import run_key, training_figures
+        from hybridflow.pipeline.nightly_tasks import read_cluster_json, scoring_figures
+        from hybridflow.pipeline.report import write_report
 
         config = pipeline_config()
         ds, run_id, dag_id = context["ds"], context["run_id"], context["dag"].dag_id

@@ -124,7 +124,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         return super().execute(context)
 
     def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:
-        from hybridflow.utils.gates import utilization_report
+        from hybridflow.pipeline.gates import utilization_report
         from hybridflow.utils.slurm_jobs import generation
 
         result = super()._finish(status, message)  # raises unless the job COMPLETED

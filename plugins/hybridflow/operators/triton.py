@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
 
     from hybridflow.config import ServingConfig
-    from hybridflow.hooks.triton import ModelRepository, TritonHook
+    from hybridflow.hooks.model_repository import ModelRepository
+    from hybridflow.hooks.triton import TritonHook
     from hybridflow.triggers.triton import TritonModelReadyTrigger
     from hybridflow.utils.triton import SmokeResult, SmokeSet, VersionRecord
 
@@ -135,7 +136,7 @@ class TritonServingOperator(BaseOperator):
 
     @cached_property
     def repo(self) -> ModelRepository:
-        from hybridflow.hooks.triton import open_repository
+        from hybridflow.hooks.model_repository import open_repository
 
         return open_repository(self.repository, self.storage_conn_id)
 

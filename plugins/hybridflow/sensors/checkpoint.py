@@ -63,7 +63,7 @@ class CheckpointSensor(BaseSensorOperator):
         return {k: event[k] for k in ("name", "step", "path", "metrics")}
 
     def poke(self, context: Context) -> PokeReturnValue:
-        from hybridflow.hooks.checkpoints import newest_complete, open_store
+        from hybridflow.hooks.checkpoint import newest_complete, open_store
 
         store = open_store(self.checkpoint_root, self.ssh_conn_id, self.storage_conn_id)
         verdict, rejected = newest_complete(store, int(self.min_step), self.verify_hashes)

@@ -38,7 +38,7 @@ class CheckpointTrigger(BaseTrigger):
         })
 
     def _poll(self) -> dict | None:
-        from hybridflow.hooks.checkpoints import newest_complete, open_store
+        from hybridflow.hooks.checkpoint import newest_complete, open_store
 
         verdict, rejected = newest_complete(open_store(self.checkpoint_root, self.ssh_conn_id, self.storage_conn_id),
                                             self.min_step, self.verify_hashes)

@@ -319,3 +319,12 @@ def read_export(directory: Path) -> ExportBundle:
         for chunk in iter(lambda: model.read(1 << 20), b""):
             digest.update(chunk)
     return ExportBundle(directory=directory, sha256=digest.hexdigest(), signature=signature, smoke=smoke)
+
+
+def versions_of(index: Sequence[Mapping[str, Any]], name: str) -> dict[int, dict]:
+    """One model's versions in a repository index (HTTP list or gRPC JSON): state and the server's reason."""
+    versions = {}
+    for entry in index:
+        if entry.get("name") == name and str(entry.get("version", "")).isdigit():
+            versions[int(entry["version"])] = {"state": entry.get("state", ""), "reason": entry.get("reason", "")}
+    return versions

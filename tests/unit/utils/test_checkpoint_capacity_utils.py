@@ -6,7 +6,7 @@ import json
 
 import pytest
 from hybridflow.utils.capacity import capacity_verdict
-from hybridflow.utils.checkpoints import parse_sha256sum, parse_stat_sizes, steps_newest_first, verify
+from hybridflow.utils.checkpoint_manifest import parse_sha256sum, parse_stat_sizes, steps_newest_first, verify
 from hybridflow.utils.slurm import SinfoNode, SqueueRecord
 
 H = "a" * 64

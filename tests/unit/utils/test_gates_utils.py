@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from hybridflow.exceptions import GateFailed
-from hybridflow.utils.gates import preflight_verdict, utilization_report
+from hybridflow.pipeline.gates import preflight_verdict, utilization_report
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hybridflow.utils.champion import FIRST_MODEL, KEEP_CHAMPION, PROMOTE, decide
-from hybridflow.utils.nightly import (
+from hybridflow.pipeline.champion import FIRST_MODEL, KEEP_CHAMPION, PROMOTE, decide
+from hybridflow.pipeline.nightly import (
     features_figures,
     plan_run,
     run_key,

@@ -1,4 +1,4 @@
-"""Tables for the data quality gate (hybridflow.utils.quality): contract parsing, each check, the message."""
+"""Tables for the data quality gate (hybridflow.pipeline.quality): contract parsing, each check, the message."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 from hybridflow.exceptions import ConfigError, DataQualityError, HybridflowError
-from hybridflow.utils import quality
-from hybridflow.utils.quality import Status
+from hybridflow.pipeline import quality
+from hybridflow.pipeline.quality import Status
 
 CONTRACT = quality.parse_contract({
     "schema": [

@@ -1,4 +1,4 @@
-"""Tables for the run report (hybridflow.utils.report): costs, "not measured", escaping, charts, rewrites."""
+"""Tables for the run report (hybridflow.pipeline.report): costs, "not measured", escaping, charts, rewrites."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 from hybridflow.exceptions import ConfigError
-from hybridflow.utils.report import (
+from hybridflow.pipeline.report import (
     CostConfig,
     build_report,
     chart_plan,

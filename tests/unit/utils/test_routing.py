@@ -1,4 +1,4 @@
-"""Workload routing (hybridflow.utils.routing) by tables: decisions, refusals, jobs' argv, rules errors."""
+"""Workload routing (hybridflow.pipeline.routing) by tables: decisions, refusals, jobs' argv, rules errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import yaml
 from hybridflow.config import load_pipeline_config
 from hybridflow.exceptions import ConfigError, WorkloadSpecError
 from hybridflow.paths import include_dir
-from hybridflow.utils.routing import (
+from hybridflow.pipeline.routing import (
     SYSTEM_FIELDS,
     PlannedJob,
     WorkloadSpec,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hybridflow.config import ServingConfig
-from hybridflow.utils.routing import RouteDecision, triton_deploy_plan
+from hybridflow.pipeline.routing import RouteDecision, triton_deploy_plan
 
 MODEL = {"version": "v7", "export_dir": "/storage/models/propensity/v7", "model_path": "/x/model.pt", "number": 7}
 

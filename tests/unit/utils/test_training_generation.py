@@ -142,7 +142,7 @@ def test_generation_operator_refuses_a_bad_generation_before_anything_runs():
 ], ids=["param-absent-old-run", "gen0", "gen2"])
 def test_generation_nightly_prepare_training_run_dir(tmp_path, monkeypatch, params, run_dir_end):
     from hybridflow.config import load_pipeline_config
-    from hybridflow.nightly import prepare_training
+    from hybridflow.pipeline.nightly_tasks import prepare_training
 
     monkeypatch.setenv("HYBRIDFLOW_STORAGE_ROOT", str(tmp_path))
     (tmp_path / "features" / "ds=2026-01-02").mkdir(parents=True)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from hybridflow.config import load_pipeline_config
 from hybridflow.exceptions import ConfigError, TritonError
-from hybridflow.hooks.triton import LocalModelRepository, versions_of
+from hybridflow.hooks.model_repository import LocalModelRepository
 from hybridflow.triggers.triton import TritonModelReadyTrigger
 from hybridflow.utils.latency import percentile, summarize
 from hybridflow.utils.triton import (
@@ -32,6 +32,7 @@ from hybridflow.utils.triton import (
     rollback_target,
     serving_version,
     version_numbers,
+    versions_of,
 )
 
 REPO = Path(__file__).resolve().parents[3]

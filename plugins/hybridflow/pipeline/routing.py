@@ -531,7 +531,8 @@ SERVER_SIDE = {"python": "cpu", "pytorch_libtorch": "gpu"}  # where Triton runs 
 def triton_deploy_plan(decision: RouteDecision, model: Mapping[str, Any], serving: Any) -> dict[str, Any]:
     """What a realtime workload routed to Triton does: deploy the model of record through the deploy operator.
 
-    :param model: the model of record (``version``, ``export_dir``), as ``hybridflow.nightly.model_of_record``.
+    :param model: the model of record (``version``, ``export_dir``), as
+        ``hybridflow.pipeline.nightly_tasks.model_of_record`` returns it.
     :param serving: the pipeline config's ``serving`` section (model name, repository, backend, the gate).
     :returns: ``export_dir`` for the operator and ``summary``, the sentence a dry run prints.
     """

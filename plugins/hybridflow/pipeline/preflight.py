@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from hybridflow.config import PipelineConfig
 from hybridflow.hooks.slurm import SlurmHook
-from hybridflow.utils.gates import preflight_verdict
+from hybridflow.pipeline.gates import preflight_verdict
 
 
 def preflight_result_path(config: PipelineConfig, nodes: int | str, ranks_per_node: int | str) -> str:

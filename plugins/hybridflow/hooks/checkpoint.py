@@ -7,7 +7,7 @@ from typing import Protocol
 
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.storage import StorageHook, split_s3_uri
-from hybridflow.utils.checkpoints import (
+from hybridflow.utils.checkpoint_manifest import (
     MANIFEST_NAME,
     CheckpointVerdict,
     parse_manifest,

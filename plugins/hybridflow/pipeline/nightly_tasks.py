@@ -1,6 +1,6 @@
 """What the nightly pipeline's Python tasks do, kept out of the DAG file: each function reads or writes the
-shared storage or the cluster and returns a small JSON-able dict for XCom. Decisions live in utils/nightly.py
-and utils/champion.py."""
+shared storage or the cluster and returns a small JSON-able dict for XCom. Decisions live in nightly.py
+and champion.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 from hybridflow.config import PipelineConfig
 from hybridflow.exceptions import HybridflowError
 from hybridflow.paths import include_dir, jobs_dir
-from hybridflow.registry import ModelRegistry
-from hybridflow.utils import nightly, quality
+from hybridflow.pipeline import nightly, quality
+from hybridflow.pipeline.registry import ModelRegistry
 from hybridflow.utils.slurm_jobs import generation, generation_run_dir
 
 MODEL_PRESETS = include_dir() / "config" / "model_presets.json"
@@ -104,7 +104,7 @@ def read_cluster_json(config: PipelineConfig, path: str) -> dict[str, Any] | Non
 
 def decide_and_publish(config: PipelineConfig, prepared: dict[str, Any], ds: str, run_id: str) -> dict[str, Any]:
     """Champion/challenger on the evaluation job's result; a winning challenger becomes the model of record."""
-    from hybridflow.utils.champion import decide
+    from hybridflow.pipeline.champion import decide
 
     run_dir = prepared["run_dir"]
     evaluation = read_cluster_json(config, f"{run_dir}/evaluation.json")
