@@ -71,10 +71,10 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "jobs"))
-sys.path.insert(0, str(REPO / "tests" / "integration"))  # the synthetic feature partitions of the Slurm tests
+sys.path.insert(0, str(REPO / "tests"))  # the synthetic feature partitions of the Slurm tests
 
-from feature_partitions import FEATURES as JOB_FEATURES  # noqa: E402
-from feature_partitions import write_features  # noqa: E402
+from helpers.feature_partitions import FEATURES as JOB_FEATURES  # noqa: E402
+from helpers.feature_partitions import write_features  # noqa: E402
 from hybridtrain.config import DEFAULT_MODEL_PRESETS_PATH, deepspeed_settings_for_run, load_model_presets  # noqa: E402
 from hybridtrain.engine import init_engine  # noqa: E402
 from hybridtrain.gpu import GpuSampler, read_gpu_metrics, summarise_gpu_metrics  # noqa: E402
@@ -86,7 +86,7 @@ N_ROWS = 65_536
 WARMUP_STEPS = 10
 SEED = 0
 
-# The Slurm jobs: features as tests/integration/feature_partitions.py writes them, on the cluster's shared storage.
+# The Slurm jobs: features as tests/helpers/feature_partitions.py writes them, on the cluster's shared storage.
 JOB_FIRST_DAY = date(2026, 1, 1)
 JOB_SEED = 7
 JOB_RANKS = (1, 2)
@@ -257,7 +257,7 @@ def _stack_environment() -> dict[str, str]:
 
 
 def _write_job_features(root: Path, days: list[str], customers: int) -> None:
-    """The Slurm tests' synthetic feature partitions (tests/integration/feature_partitions.py), readable by the
+    """The Slurm tests' synthetic feature partitions (tests/helpers/feature_partitions.py), readable by the
     job user."""
     for seed, ds in enumerate(days):
         write_features(root, ds, seed, customers)

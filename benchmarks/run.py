@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hybridflow.atomic import write_json_atomic
+
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 FIGURES = BENCH_DIR / "figures.json"
@@ -34,9 +36,7 @@ def available() -> list[str]:
 
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, payload, sort_keys=True, default=str)
 
 
 def parse_result_line(line: str) -> dict[str, str]:

@@ -16,7 +16,6 @@ from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.params import integer, strict_params, text
-from hybridflow.pipeline.preflight import preflight_result_path
 from hybridflow.timetables import cron_schedule
 
 config = pipeline_config()
@@ -43,7 +42,7 @@ with DAG(
     benchmark = SlurmSubmitOperator(
         task_id="allreduce_benchmark",
         command=[config.cluster.python, f"{config.cluster.jobs_dir}/allreduce_bench.py",
-                 "--out", preflight_result_path(config, "{{ params.nodes }}", "{{ params.gpus_per_node }}"),
+                 "--out", config.storage.layout.preflight_result("{{ params.nodes }}", "{{ params.gpus_per_node }}"),
                  "--hidden-sizes", "{{ params.hidden_sizes }}"],
         partition=config.cluster.partition,
         nodes="{{ params.nodes }}",
@@ -53,7 +52,7 @@ with DAG(
         time_limit=config.preflight.time_limit_min,
         requeue=False,
         signal=None,
-        log_dir=f"{config.storage.root}/runs/preflight/logs",
+        log_dir=config.storage.layout.run_logs("preflight"),
         ssh_conn_id=config.cluster.ssh_conn_id,
         runbook="include/runbooks/preflight.md",
     )

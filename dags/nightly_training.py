@@ -24,7 +24,7 @@ from datetime import timedelta
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Asset, Param, TaskGroup, task
-from hybridflow.config import pipeline_config
+from hybridflow.config import model_preset_names, pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
@@ -38,9 +38,10 @@ from hybridflow.utils.slurm_jobs import MAX_GENERATION
 
 config = pipeline_config()
 cfg, root, cluster = config.nightly, config.storage.root, config.cluster
-FEATURES = Asset(name="hybridflow_features", uri=f"file://{root}/features")
-MODEL = Asset(name="hybridflow_model_of_record", uri=f"file://{root}/models/{cfg.model_name}")
-PREDICTIONS = Asset(name="hybridflow_predictions", uri=f"file://{root}/predictions")
+layout = config.storage.layout
+FEATURES = Asset(name="hybridflow_features", uri=f"file://{layout.dataset('features')}")
+MODEL = Asset(name="hybridflow_model_of_record", uri=f"file://{layout.model_dir(cfg.model_name)}")
+PREDICTIONS = Asset(name="hybridflow_predictions", uri=f"file://{layout.dataset('predictions')}")
 
 
 def prepared_value(key: str, suffix: str = "") -> str:
@@ -70,7 +71,7 @@ with DAG(
         "deploy": Param("auto", type="string", enum=["auto", "always", "never"],
                         description="auto: deploy when this run promotes a model or the server lacks the model of "
                                     "record (never in backfills); always: redeploy the model of record; never."),
-        "model_preset": Param(cfg.model_preset, type="string", enum=["tiny", "small", "large"],
+        "model_preset": Param(cfg.model_preset, type="string", enum=list(model_preset_names()),
                               description="Network size from include/config/model_presets.json."),
         "nodes": Param(cfg.nodes, **integer(1, 64),
                        description="Nodes for the training job (data-parallel across nodes)."),
@@ -213,7 +214,7 @@ with DAG(
             task_id="evaluate",
             retrain="{{ params.retrain }}",
             command=[cluster.python, f"{cluster.jobs_dir}/evaluate.py",
-                     "--features-root", f"{root}/features",
+                     "--features-root", layout.dataset("features"),
                      "--ds", prepared_value("train_ds"),
                      "--challenger", prepared_value("run_dir", "/export/model.pt"),
                      "--champion", prepared_value("champion_model"),

@@ -49,7 +49,7 @@ with DAG(
         time_limit=2,
         requeue=False,
         signal=None,
-        log_dir=f"{config.storage.root}/runs/healthcheck/logs",
+        log_dir=config.storage.layout.run_logs("healthcheck"),
         ssh_conn_id=config.cluster.ssh_conn_id,
         poll_interval_s=5,
         runbook="include/runbooks/platform-healthcheck.md",

@@ -36,7 +36,7 @@ with DAG(
         gpus_per_node=1,
         time_limit=15,
         signal=None,
-        log_dir=f"{config.storage.root}/runs/reliability_probe/logs",
+        log_dir=config.storage.layout.run_logs("reliability_probe"),
         ssh_conn_id=config.cluster.ssh_conn_id,
         poll_interval_s=2,
         pool="gpu_training",

@@ -76,14 +76,14 @@ with DAG(
         from hybridflow.exceptions import HybridflowError, WorkloadSpecError
         from hybridflow.paths import jobs_dir
         from hybridflow.pipeline.nightly_tasks import model_of_record
-        from hybridflow.pipeline.routing import WorkloadSpec, plan_job, run_dir_for, triton_deploy_plan
+        from hybridflow.pipeline.routing import WorkloadSpec, plan_job, triton_deploy_plan
         from hybridflow.pipeline.routing import route as decide
 
         try:  # a refused spec is refused again on retry: fail at once
             decision = decide(WorkloadSpec.from_params(params), rules)
         except WorkloadSpecError as exc:
             raise AirflowFailException(f"workload refused: {exc}. Runbook: {RUNBOOK}") from exc
-        run_dir = run_dir_for(config.storage.root, run_id)
+        run_dir = config.storage.layout.router_run_dir(run_id)
         job = plan_job(decision, rules, {
             "storage_root": lambda: config.storage.root,
             "run_dir": lambda: run_dir,

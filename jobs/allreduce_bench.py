@@ -15,7 +15,6 @@ that, ``--procs N`` spawns N local processes. Never imports Airflow.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -26,6 +25,7 @@ from datetime import UTC, datetime
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hybridjobs.atomic import write_json_atomic
 from hybridtrain.launch import cuda_device_index, distributed_environment, free_port, node_name
 from torch import nn
 
@@ -130,10 +130,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, local_rank: int | No
     result = measure(rank, world, args, rank if local_rank is None else local_rank)
     if result is not None:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as handle:
-            json.dump(result, handle, indent=2)
-        os.replace(tmp, args.out)  # readers never see half a result
+        write_json_atomic(args.out, result)  # readers never see half a result
         print(f"ALLREDUCE world={world} backend={result['backend']} busbw={result['busbw_gbps_at_largest']:.2f}GB/s "
               f"share={result['allreduce_share']:.1%}", flush=True)
 

@@ -1,4 +1,8 @@
-"""Shared fixtures. Integration tests use the real local stack brought up by scripts/localstack.py."""
+"""Shared fixtures. Integration tests use the real local stack brought up by scripts/localstack.py.
+
+pytest's config (pyproject.toml) puts jobs/, scripts/ and tests/ on the path: the jobs' packages, the REST client
+shared with `make demo` (airflow_api), and the helpers the test modules share (tests/helpers/).
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,17 @@ import sqlite3
 import subprocess
 import sys
 import time
+import uuid
 from contextlib import closing
 from pathlib import Path
 
 import pytest
+from helpers.dag_runs import runner_argv, write_dag_file
+from helpers.stack import LOCALSTACK
+from helpers.triton_models import ClientLoop
 
 REPO = Path(__file__).resolve().parent.parent
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state"))
-LOCALSTACK = [sys.executable, str(REPO / "scripts" / "localstack.py")]
-RUNNER = REPO / "tests" / "integration" / "airflow_runner.py"
-sys.path.insert(0, str(REPO / "scripts"))  # the REST client shared with `make demo`
 # Spark drivers the tests start in their own process bind loopback, like the stack's (no port on the network).
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # The tests run as root beside Airflow's unprivileged service user: what they write into the shared storage must
@@ -67,7 +72,6 @@ def cluster_tmp_path(stack):
     """A temporary folder in the shared storage's scratch area, for jobs whose executors run as the stack's
     service user (Spark standalone): pytest's own tmp_path lies under a folder only root may enter."""
     import shutil
-    import uuid
 
     root = Path(stack.get("HYBRIDFLOW_STORAGE_ROOT", "/var/lib/hybridflow/storage")) / "scratch" / "tests"
     path = root / uuid.uuid4().hex[:12]
@@ -105,9 +109,7 @@ def run_dag(isolated_airflow_env):
 
     def run(source: str, dag_id: str, conf: dict | None = None, timeout_s: float = 600, logical_date: str = "",
             background: bool = False):
-        dag_file = Path(isolated_airflow_env["AIRFLOW__CORE__DAGS_FOLDER"]) / f"{dag_id}.py"
-        dag_file.write_text(source)
-        argv = [sys.executable, str(RUNNER), str(dag_file), dag_id, json.dumps(conf or {}), logical_date]
+        argv = runner_argv(write_dag_file(isolated_airflow_env, source, dag_id), dag_id, conf, logical_date)
         if background:  # the caller kills it: a task process dying mid-wait
             return subprocess.Popen(argv, env=isolated_airflow_env, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, start_new_session=True)
@@ -191,6 +193,20 @@ def jobs_named(stack):
 
 
 @pytest.fixture
+def log_dir(stack):
+    """A folder for Slurm job logs in the shared storage's runs area, removed (over SSH, as the job user) after."""
+    from hybridflow.hooks.slurm import SlurmHook
+
+    path = f"{stack['HYBRIDFLOW_STORAGE_ROOT']}/runs/tests-{uuid.uuid4().hex[:8]}"
+    yield path
+    hook = SlurmHook()
+    try:
+        hook.run(["rm", "-rf", "--", path])
+    finally:
+        hook.close()
+
+
+@pytest.fixture
 def slurm(stack):
     """The project's SlurmHook on the stack's login node (its SSH connection closed afterwards)."""
     from hybridflow.hooks.slurm import SlurmHook
@@ -206,7 +222,6 @@ def model_of_record(stack) -> dict:
     or, on a stack that has none yet, a small untrained network of the features contract exported by the
     training job's own export code and promoted as one (run_id ``tests-model-of-record``). A test that scores or
     deploys so never depends on which test ran first."""
-    sys.path.insert(0, str(REPO / "jobs"))
     import numpy as np
     import torch
     from hybridflow.config import pipeline_config
@@ -231,3 +246,25 @@ def model_of_record(stack) -> dict:
         registry.promote(str(export_dir), {"run_id": "tests-model-of-record", "decision": "promote",
                                            "reason": "tests: no model of record on this stack yet"})
     return current(config)
+
+
+@pytest.fixture
+def repository(stack) -> str:
+    """The stack's Triton model repository: a folder of the shared storage, the server's --model-repository."""
+    return f"{stack['HYBRIDFLOW_STORAGE_ROOT']}/model-repository"
+
+
+@pytest.fixture
+def client_loop(stack, tmp_path):
+    """Starts a helpers.triton_models.ClientLoop asking the stack's Triton for a model (keyword arguments go to it:
+    retry_s, network_timeout_s); every loop still running is killed when the test ends."""
+    loops: list[ClientLoop] = []
+
+    def start(name: str, **options) -> ClientLoop:
+        loops.append(ClientLoop(name, tmp_path / f"client-{len(loops)}.json", **options))
+        return loops[-1]
+
+    yield start
+    for loop in loops:
+        if loop.proc.poll() is None:
+            loop.proc.kill()

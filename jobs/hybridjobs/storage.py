@@ -1,10 +1,10 @@
 """The storage layout every stage shares, its manifests, and atomic publishing. Standard library only.
 
-Layout under a storage root: ``<root>/<dataset>/ds=YYYY-MM-DD/`` for the datasets ``raw``, ``features``,
-``quarantine`` and ``predictions``. A partition is published when it holds ``_MANIFEST.json`` and, written
-after it, ``_SUCCESS``. Readers must ignore a partition without ``_SUCCESS``.
+Layout under a storage root (hybridjobs/layout.py): ``<root>/<dataset>/ds=YYYY-MM-DD/`` for the datasets
+``raw``, ``features``, ``quarantine`` and ``predictions``. A partition is published when it holds
+``_MANIFEST.json`` and, written after it, ``_SUCCESS``. Readers must ignore a partition without ``_SUCCESS``.
 
-Publishing: a job writes into a staging directory that is a hidden sibling of the target
+Publishing (hybridjobs/atomic.py): a job writes into a staging directory that is a hidden sibling of the target
 (``.ds=<ds>.staging-<id>``, ignored by Spark and pyarrow because of the leading dot), writes the manifest and
 the marker there, then renames it into place. An older partition is first renamed aside and deleted after the
 swap, so a rerun of a ds replaces the partition and never mixes old and new files. Between the two renames
@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import time
-import uuid
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-DATASETS = ("raw", "features", "quarantine", "predictions")
+from hybridjobs.atomic import STALE_STAGING_S as STALE_STAGING_S
+from hybridjobs.atomic import new_staging_dir as new_staging_dir
+from hybridjobs.atomic import swap_in, write_json_atomic
+from hybridjobs.layout import DATASETS, StorageLayout
+
 MANIFEST_NAME = "_MANIFEST.json"
 SUCCESS_NAME = "_SUCCESS"
 FORMAT_VERSION = 1
-STALE_STAGING_S = 3600
 
 
 class PartitionNotPublishedError(RuntimeError):
@@ -64,7 +64,7 @@ def partition_dir(root: str | os.PathLike, dataset: str, ds: str) -> Path:
     if dataset not in DATASETS:
         raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
     parse_ds(ds)
-    return Path(root) / dataset / f"ds={ds}"
+    return Path(StorageLayout(os.fspath(root)).partition(dataset, ds))
 
 
 def is_published(partition: str | os.PathLike) -> bool:
@@ -82,35 +82,6 @@ def read_manifest(partition: str | os.PathLike) -> dict[str, Any]:
     return json.loads((partition / MANIFEST_NAME).read_text())
 
 
-def new_staging_dir(target: str | os.PathLike) -> Path:
-    """A fresh, not yet existing staging path beside ``target``; stale ones of the same ds are removed."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(target)
-    return target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:12]}"
-
-
-def remove_stale_staging(target: Path, older_than_s: float = STALE_STAGING_S) -> None:
-    """Leftovers of crashed runs of this ds. Recent ones are kept: they may belong to a run still writing."""
-    now = time.time()
-    for leftover in target.parent.glob(f".{target.name}.*"):
-        try:
-            if now - leftover.stat().st_mtime > older_than_s:
-                shutil.rmtree(leftover, ignore_errors=True)
-        except FileNotFoundError:
-            pass
-
-
-def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=False, default=str)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def publish(staging: str | os.PathLike, target: str | os.PathLike, manifest: dict[str, Any]) -> Path:
     """Writes the manifest, then ``_SUCCESS``, into ``staging`` and swaps it in as ``target``."""
     staging, target = Path(staging), Path(target)
@@ -118,21 +89,9 @@ def publish(staging: str | os.PathLike, target: str | os.PathLike, manifest: dic
         raise FileNotFoundError(f"staging directory {staging} does not exist: nothing was written to publish")
     for leftover in staging.glob(SUCCESS_NAME):
         leftover.unlink()
-    write_json_atomically(staging / MANIFEST_NAME, manifest)
+    write_json_atomic(staging / MANIFEST_NAME, manifest, default=str)
     (staging / SUCCESS_NAME).write_text("")
-    retired = target.parent / f".{target.name}.retired-{uuid.uuid4().hex[:12]}"
-    had_previous = target.exists()
-    if had_previous:
-        os.rename(target, retired)
-    try:
-        os.rename(staging, target)
-    except OSError:
-        if had_previous:
-            os.rename(retired, target)
-        raise
-    if had_previous:
-        shutil.rmtree(retired, ignore_errors=True)
-    return target
+    return swap_in(staging, target)
 
 
 def data_files(partition: str | os.PathLike) -> list[str]:

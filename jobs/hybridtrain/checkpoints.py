@@ -1,11 +1,12 @@
-"""Checkpoint manifests: written last, verified before any resume. Standard library only (and ``errors``).
+"""Checkpoint manifests: written last, verified before any resume. Standard library only (and ``errors``,
+``hybridjobs.atomic``).
 
 Layout under ``<run_dir>/checkpoints/``::
 
     step_40/                  one DeepSpeed checkpoint (engine.save_checkpoint(..., tag="step_40"))
       mp_rank_00_model_states.pt
       zero_pp_rank_0_mp_rank_00_optim_states.pt      (ZeRO stages 1-3)
-      MANIFEST.json           written last, atomically (MANIFEST.json.tmp + rename)
+      MANIFEST.json           written last, atomically (a hidden *.tmp file, then a rename)
     step_80/ ...
     zero_to_fp32.py           DeepSpeed's recovery scripts (ZeRO stages), outside the step directories
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from collections.abc import Iterable, Mapping
@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from hybridjobs import atomic
 from hybridtrain.errors import CheckpointError
 
 __all__ = [
@@ -83,15 +84,9 @@ def sha256_file(path: Path) -> str:
 
 
 def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
-    """Write JSON to ``path`` so that readers see the old file or the new one, never a partial one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=True, allow_nan=False)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    """Write the training job's JSON (sorted keys, no NaN) to ``path`` so that readers see the old file or the new
+    one, never a partial one."""
+    atomic.write_json_atomic(path, payload, sort_keys=True, allow_nan=False)
 
 
 def build_manifest(
@@ -301,11 +296,3 @@ def remove_checkpoint(step_dir: Path) -> None:
     """Delete a step directory, manifest first, so that an interrupted delete never looks complete."""
     (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
     shutil.rmtree(step_dir, ignore_errors=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

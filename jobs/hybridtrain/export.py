@@ -1,20 +1,19 @@
 """Exports the trained network as TorchScript for batch scoring and Triton, with a signature and a smoke set.
 
-``export/`` is built in a temporary directory beside it and renamed into place, so a reader sees the previous
-export or the new one, never a mix.
+``export/`` is built in a hidden staging directory beside it and swapped into place (hybridjobs.atomic), so a
+reader sees the previous export or the new one, never a mix.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from hybridjobs.atomic import staged_dir
 from hybridtrain.config import ModelSpec
 from hybridtrain.model import ProbabilityModel, Standardize, build_network
 
@@ -50,38 +49,30 @@ def export_model(
     network.load_state_dict({key: value.float() for key, value in state_dict.items()})
     scripted = torch.jit.script(ProbabilityModel(Standardize(mean, std), network).eval())
 
-    staging = export_dir.with_name(f"{export_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    scripted.save(str(staging / "model.pt"))
-    reloaded = torch.jit.load(str(staging / "model.pt"), map_location="cpu")
-    inputs = np.ascontiguousarray(smoke_inputs[:SMOKE_ROWS], dtype=np.float32)
-    with torch.inference_mode():
-        outputs = reloaded(torch.from_numpy(inputs)).numpy()
-    signature = {
-        **details,
-        "format": "torchscript",
-        "feature_columns": list(feature_columns),
-        "n_features": n_features,
-        "inputs": [{"name": INPUT_NAME, "dtype": "float32", "shape": [-1, n_features]}],
-        "outputs": [{"name": OUTPUT_NAME, "dtype": "float32", "shape": [-1, 1], "meaning": "probability"}],
-        "torch_version": torch.__version__,
-    }
-    smoke = {
-        "input_name": INPUT_NAME,
-        "output_name": OUTPUT_NAME,
-        "atol": SMOKE_ATOL,
-        "inputs": inputs.tolist(),
-        "outputs": outputs.tolist(),
-    }
-    (staging / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
-    (staging / "smoke.json").write_text(json.dumps(smoke, indent=2) + "\n")
-
-    previous = export_dir.with_name(f"{export_dir.name}.old-{os.getpid()}")
-    if export_dir.exists():
-        export_dir.rename(previous)
-    staging.rename(export_dir)
-    shutil.rmtree(previous, ignore_errors=True)
+    with staged_dir(export_dir) as staging:
+        scripted.save(str(staging / "model.pt"))
+        reloaded = torch.jit.load(str(staging / "model.pt"), map_location="cpu")
+        inputs = np.ascontiguousarray(smoke_inputs[:SMOKE_ROWS], dtype=np.float32)
+        with torch.inference_mode():
+            outputs = reloaded(torch.from_numpy(inputs)).numpy()
+        signature = {
+            **details,
+            "format": "torchscript",
+            "feature_columns": list(feature_columns),
+            "n_features": n_features,
+            "inputs": [{"name": INPUT_NAME, "dtype": "float32", "shape": [-1, n_features]}],
+            "outputs": [{"name": OUTPUT_NAME, "dtype": "float32", "shape": [-1, 1], "meaning": "probability"}],
+            "torch_version": torch.__version__,
+        }
+        smoke = {
+            "input_name": INPUT_NAME,
+            "output_name": OUTPUT_NAME,
+            "atol": SMOKE_ATOL,
+            "inputs": inputs.tolist(),
+            "outputs": outputs.tolist(),
+        }
+        (staging / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
+        (staging / "smoke.json").write_text(json.dumps(smoke, indent=2) + "\n")
     return {
         "model": str(export_dir / "model.pt"),
         "signature": str(export_dir / "signature.json"),

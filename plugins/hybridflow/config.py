@@ -1,20 +1,29 @@
-"""Typed pipeline configuration from include/config/pipeline.yaml, validated when it is loaded.
+"""Typed pipeline configuration from include/config/pipeline.yaml, validated when it is loaded, and the one way
+every config file of the package is validated (pipeline.yaml here, routing.yaml in pipeline/routing.py, the
+features contract in pipeline/quality.py).
 
-Every error names the file, the key, what was found and what is expected, so a mistake fails at parse time
-rather than in the middle of a run.
+The style: each section is a frozen dataclass whose defaults are the defaults (operators take theirs from it);
+:func:`build` makes one from a mapping (unknown, missing and mistyped keys are errors) and calls its
+``validate(where)``; what build cannot express (mappings keyed by name, lists) is read with the ``check_*``
+functions (mapping, keys, text, integer, number, one_of). Every error reads
+``<file>: <where>.<key>: <value found>; <what to do>``, so a mistake fails at parse time rather than in the
+middle of a run.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
-from dataclasses import MISSING, dataclass, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, get_type_hints
 
 from hybridflow.exceptions import ConfigError
+from hybridflow.layout import StorageLayout
 from hybridflow.paths import include_dir
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -36,6 +45,11 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class StorageConfig:
     root: str
+
+    @property
+    def layout(self) -> StorageLayout:
+        """Every path under ``root`` (hybridflow/layout.py): no caller writes one by hand."""
+        return StorageLayout(self.root)
 
 
 @dataclass(frozen=True)
@@ -261,14 +275,10 @@ def from_environment(value: str, expected: type) -> Any:
 
 
 def build(cls: type, data: Any, where: str):
-    """A dataclass from a mapping: unknown keys, missing keys and wrong types are errors naming the key."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    """A dataclass from a mapping: unknown keys, missing keys and wrong types are errors naming the key; then the
+    dataclass's own ``validate(where)``, if it has one. A field typed as a dataclass is built the same way."""
+    check_keys(check_mapping(data, where), where, optional=[f.name for f in fields(cls)])
     hints = get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
     values = {}
     for f in fields(cls):
         key = f"{where}.{f.name}"
@@ -277,7 +287,7 @@ def build(cls: type, data: Any, where: str):
                 raise ConfigError(f"{key}: missing (expected {getattr(hints[f.name], '__name__', hints[f.name])})")
             continue
         expected, value = hints[f.name], data[f.name]
-        if isinstance(expected, type) and expected.__module__ == __name__:
+        if isinstance(expected, type) and is_dataclass(expected):
             values[f.name] = build(expected, value, key)
             continue
         if isinstance(value, str) and ENV_REF.search(value):
@@ -291,6 +301,62 @@ def build(cls: type, data: Any, where: str):
     if hasattr(obj, "validate"):
         obj.validate(where)
     return obj
+
+
+# Checks for config read without build (mappings keyed by name, lists): the same "<where>: <value>; <fix>" shape.
+# Each returns the value it checked.
+
+
+def check_mapping(data: Any, where: str) -> Mapping[str, Any]:
+    """``data`` when it is a mapping (a YAML or JSON object)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def check_keys(data: Mapping, where: str, required: Iterable[str] = (), optional: Iterable[str] = ()) -> None:
+    """``data`` has every ``required`` key and no key beyond ``required`` and ``optional`` (a misspelt key would
+    otherwise fall back to its default unnoticed)."""
+    required = set(required)
+    known = required | set(optional)
+    unknown = sorted(str(key) for key in data if key not in known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
+    missing = sorted(required - set(data))
+    if missing:
+        raise ConfigError(f"{where}.{missing[0]}: missing (required)")
+
+
+def check_text(value: Any, where: str, pattern: re.Pattern | None = None) -> str:
+    """Non-empty text, matching ``pattern`` when given."""
+    if not isinstance(value, str) or not value.strip() or (pattern and not pattern.fullmatch(value)):
+        expected = f"text matching {pattern.pattern}" if pattern else "non-empty text"
+        raise ConfigError(f"{where}: {value!r}; expected {expected}")
+    return value
+
+
+def check_integer(value: Any, where: str, minimum: int) -> int:
+    """An integer (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}: {value!r}; expected an integer >= {minimum}")
+    return value
+
+
+def check_number(value: Any, where: str, minimum: float | None = None, finite: bool = True) -> float:
+    """A number (not a bool, not NaN; finite unless ``finite`` is false) of at least ``minimum`` when given."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+    if not ok or (finite and not math.isfinite(value)) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum:g}"
+        raise ConfigError(f"{where}: {value!r}; expected a number{bound}")
+    return float(value)
+
+
+def check_one_of(value: Any, choices: Iterable[Any], where: str) -> Any:
+    """``value`` when it is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ConfigError(f"{where}: {value!r}; expected one of {', '.join(map(str, choices))}")
+    return value
 
 
 def read_yaml(path: Path, what: str) -> Any:
@@ -316,3 +382,21 @@ def load_pipeline_config(path: Path | None = None) -> PipelineConfig:
 def pipeline_config() -> PipelineConfig:
     """The configuration, loaded once per process (DAG files call this at parse time)."""
     return load_pipeline_config()
+
+
+def model_preset_names(path: Path | None = None) -> tuple[str, ...]:
+    """The presets of include/config/model_presets.json, in the file's order: the one list of them on this side
+    (the nightly DAG's choices, the training task's check). jobs/hybridtrain/config.py reads the same file, shipped
+    with the jobs, for the network each one is."""
+    path = path or include_dir() / "config" / "model_presets.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read the model presets: {exc}") from exc
+    try:
+        presets = check_mapping(check_mapping(data, "model presets").get("presets"), "presets")
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if not presets:
+        raise ConfigError(f"{path}: presets: {{}}; define at least one preset")
+    return tuple(presets)

@@ -9,7 +9,6 @@ from inside that DAG's folder of the report store.
 from __future__ import annotations
 
 import html
-import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,18 +26,18 @@ JOB_ID = re.compile(r"[0-9]{1,10}(?:_[0-9]{1,10})?")
 # The ASCII part of Airflow's dag id rule (``[\w.-]``, at most 250 chars) with no leading dot or dash, so `.` and
 # `..` can never name a report folder.
 DAG_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}")
-# One path component of what RunReportOperator writes (``ds=<ds>/<run_key>/<file>``): no leading dot, so no `.`,
-# `..` or hidden files; no control characters, backslashes, percent signs or non-ASCII; at most NAME_MAX bytes.
+# One path component of what RunReportOperator writes (``ds=<ds>/<run>/<file>``, StorageLayout.report_path): no
+# leading dot, so no `.`, `..` or hidden files; no control characters, backslashes, percent signs or non-ASCII; at
+# most NAME_MAX bytes.
 REPORT_NAME = re.compile(r"[A-Za-z0-9_=-][A-Za-z0-9_.=-]{0,254}")
 MAX_REPORT_PATH = 1024
 
 
-def storage_root() -> Path:
-    return Path(os.environ.get("HYBRIDFLOW_STORAGE_ROOT", "/var/lib/hybridflow/storage"))
-
-
 def reports_root() -> Path:
-    return storage_root() / "reports"
+    """The report store of the configured storage root (the pipeline config's, like every other path)."""
+    from hybridflow.config import pipeline_config
+
+    return Path(pipeline_config().storage.layout.reports)
 
 
 def api_base_url() -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -17,11 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-
-from airflow_api import AirflowApi, local_api  # noqa: E402
+from airflow_api import AirflowApi, local_api
+from helpers import rest
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -42,20 +38,7 @@ class Rest:
         self.api = api
 
     def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        req = urllib.request.Request(self.api.base_url + path, method=method,
-                                     data=json.dumps(body).encode() if body is not None else None)
-        req.add_header("Content-Type", "application/json")
-        req.add_header("Authorization", f"Bearer {self.api.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                raw = resp.read()
-                return resp.status, json.loads(raw) if raw else {}
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                return exc.code, json.loads(raw)
-            except ValueError:
-                return exc.code, {"detail": raw.decode(errors="replace")}
+        return rest.call(self.api, method, path, body)
 
     def run(self, dag_id: str, run_id: str) -> dict | None:
         path = f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}"

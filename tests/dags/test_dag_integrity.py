@@ -133,6 +133,13 @@ def test_dag_param_patterns_mean_the_same_in_javascript(dagbag):
     assert newline_accepted == []
 
 
+def test_dag_model_preset_choices_are_the_presets_file(dagbag):
+    """The trigger form offers exactly the presets the training job can build (include/config/model_presets.json)."""
+    from hybridflow.config import model_preset_names
+
+    assert dagbag["dags"]["nightly_training"]["params"]["model_preset"]["enum"] == list(model_preset_names())
+
+
 @pytest.mark.parametrize("dag_file", DAG_FILES, ids=lambda p: p.name)
 def test_dag_file_imports_in_under_a_second(dag_file, tmp_path):
     """Time the DAG file alone: Airflow's own import is paid once by the DAG processor, not per file."""

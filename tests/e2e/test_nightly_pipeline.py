@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from airflow_api import task_states, wait_for_run, xcom
 from demo import ensure_fresh_preflight
+from helpers.partitions import manifest
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
 
@@ -33,12 +34,6 @@ def paused_afterwards(api):
 
 def storage(stack) -> Path:
     return Path(stack["HYBRIDFLOW_STORAGE_ROOT"])
-
-
-def published(root: Path, dataset: str, ds: str) -> dict:
-    partition = root / dataset / f"ds={ds}"
-    assert (partition / "_SUCCESS").is_file(), f"{partition} is not published"
-    return json.loads((partition / "_MANIFEST.json").read_text())
 
 
 def unique_logical_date(ds: str) -> str:
@@ -88,8 +83,8 @@ def test_nightly_run_produces_every_stages_output(api, stack, one_node_run):
     run_id, states = one_node_run["run_id"], one_node_run["states"]
     assert {k: v for k, v in states.items() if v != "success"} == {}, "a stage was skipped or failed"
 
-    features = published(root, "features", ds)
-    quarantine = published(root, "quarantine", ds)
+    features = manifest(root, "features", ds)
+    quarantine = manifest(root, "quarantine", ds)
     assert features["row_count"] > 0 and features["quarantine"]["rows"] == quarantine["row_count"] > 0
     gate = xcom(api, DAG, run_id, "quality.quality_gate")
     assert gate["summary"]["failed"] == 0 and gate["figures"]["raw_rows"] == features["input"]["raw_rows"]
@@ -115,7 +110,7 @@ def test_nightly_run_produces_every_stages_output(api, stack, one_node_run):
     else:
         assert decision["decision"] == "keep_champion" and "keep the champion" in decision["reason"]
 
-    predictions = published(root, "predictions", ds)
+    predictions = manifest(root, "predictions", ds)
     assert predictions["row_count"] == features["row_count"]
     table = pq.read_table(root / "predictions" / f"ds={ds}", columns=["model_version", "score"])
     assert set(table.column("model_version").to_pylist()) == {f"v{registry['champion']['version']}"}
@@ -194,8 +189,8 @@ def test_backfill_recomputes_three_days_without_training(api, stack, one_node_ru
         states = task_states(api, DAG, run["dag_run_id"])
         assert states["training.train"] == "skipped" and states["scoring.score_batch"] == "success"
     for ds in days:
-        features = published(root, "features", ds)
-        assert published(root, "predictions", ds)["row_count"] == features["row_count"]
+        features = manifest(root, "features", ds)
+        assert manifest(root, "predictions", ds)["row_count"] == features["row_count"]
         versions = pq.read_table(root / "predictions" / f"ds={ds}", columns=["model_version"]).column(0)
         assert set(versions.to_pylist()) == {f"v{registry['champion']['version']}"}
     assert len(slurm_jobs_named(f"hf-{DAG}-training.train-backfill")) == before

@@ -5,7 +5,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from feature_partitions import write_features
+from helpers.feature_partitions import write_features
 from hybridflow.hooks.slurm import SlurmHook
 
 

@@ -24,6 +24,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from helpers.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
@@ -102,15 +103,6 @@ def airflow_home(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def wait_for(what: str, check, timeout_s: float = 90):
-    deadline = time.monotonic() + timeout_s
-    while not (result := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(1)
-    return result
-
-
 def test_backfill_and_unpause_never_start_a_past_night(airflow_home):
     home, start, cli = airflow_home
     db = home / "airflow.db"
@@ -125,8 +117,8 @@ def test_backfill_and_unpause_never_start_a_past_night(airflow_home):
         start=(now - timedelta(days=7)).date().isoformat()))
 
     start("dag-processor")
-    wait_for("both DAGs serialized", lambda: len(rows(
-        db, "select dag_id from serialized_dag where dag_id like 'guard_%'")) >= 2)
+    wait_until("both DAGs serialized", lambda: len(rows(
+        db, "select dag_id from serialized_dag where dag_id like 'guard_%'")) >= 2, timeout_s=90, every_s=1)
     start("scheduler", "--skip-serve-logs")
 
     def scheduled_runs() -> list[tuple]:
@@ -140,8 +132,9 @@ def test_backfill_and_unpause_never_start_a_past_night(airflow_home):
     backfill = rows(db, "select run_id from dag_run where dag_id = 'guard_backfill' and run_type = 'backfill'")
     assert len(backfill) == 3, backfill
     # The scheduler really reads the DAG (it deserializes the plugin's timetable): it starts the backfill's runs.
-    wait_for("a backfill run started", lambda: rows(
-        db, "select 1 from dag_run where dag_id = 'guard_backfill' and run_type = 'backfill' and state = 'running'"))
+    wait_until("a backfill run started", lambda: rows(
+        db, "select 1 from dag_run where dag_id = 'guard_backfill' and run_type = 'backfill' and state = 'running'"),
+        timeout_s=90, every_s=1)
     time.sleep(SETTLE_S)
     assert scheduled_runs() == [], "a backfill made the scheduler start a past night"
 

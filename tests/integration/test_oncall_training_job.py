@@ -3,21 +3,18 @@ from Slurm's own state, and refusals for unknown, foreign and finished jobs."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from helpers.dag_runs import run_captured
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.utils.slurm import SlurmJobSpec, deterministic_job_name, render_sbatch_script
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "oncall_training_job"
 SOURCE = (REPO / "dags" / f"{DAG_ID}.py").read_text()
-RUNNER = Path(__file__).with_name("airflow_runner.py")
 
 
 @pytest.fixture
@@ -112,9 +109,6 @@ def test_oncall_refuses_a_job_that_has_already_finished(run_dag, slurm, submit_j
 
 @pytest.mark.parametrize("job_id", ["1; scancel -u mlops", "$(id)"])
 def test_oncall_job_id_that_is_not_a_slurm_id_is_refused_by_the_trigger_form(isolated_airflow_env, job_id):
-    dag_file = Path(isolated_airflow_env["AIRFLOW__CORE__DAGS_FOLDER"]) / f"{DAG_ID}.py"
-    dag_file.write_text(SOURCE)
-    argv = [sys.executable, str(RUNNER), str(dag_file), DAG_ID, json.dumps(conf(job_id, "cancel"))]
-    out = subprocess.run(argv, env=isolated_airflow_env, capture_output=True, text=True, timeout=300)
+    out = run_captured(isolated_airflow_env, SOURCE, DAG_ID, conf(job_id, "cancel"))
     assert out.returncode != 0 and "RESULT " not in out.stdout
     assert "does not match" in out.stderr and "param job_id" in out.stderr

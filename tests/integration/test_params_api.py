@@ -10,18 +10,11 @@ only on those DAGs; on the others they are checked against the schemas the api-s
 from __future__ import annotations
 
 import json
-import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from airflow_api import local_api  # noqa: E402
+from helpers.rest import call, local_api_when_up
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
 DAGS = ("nightly_training", "workload_router", "oncall_rollback_model", "oncall_training_job",
@@ -141,33 +134,9 @@ ACCEPTED_BY_SCHEMA = [
 ]
 
 
-def call(api, method: str, path: str, body: dict | str | None = None) -> tuple[int, dict]:
-    data = body if isinstance(body, str) else json.dumps(body) if body is not None else None
-    req = urllib.request.Request(api.base_url + path, method=method, data=data.encode() if data else None)
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {api.token}")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else {}
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw)
-        except ValueError:
-            return exc.code, {"detail": raw.decode(errors="replace")}
-
-
 @pytest.fixture(scope="module")
 def api(stack):
-    deadline = time.monotonic() + 180  # the api-server restarts when `make up` finds its environment changed
-    while True:
-        try:
-            return local_api()
-        except (OSError, RuntimeError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(2)
+    return local_api_when_up()
 
 
 @pytest.fixture(scope="module")

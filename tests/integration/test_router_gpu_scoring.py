@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
 import uuid
 from datetime import date, timedelta
 from pathlib import Path
@@ -17,7 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hybridflow.pipeline.routing import run_dir_for
+from helpers.dag_runs import task_states
+from hybridflow.layout import StorageLayout
+from hybridjobs import storage
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "workload_router"
@@ -25,9 +26,6 @@ SOURCE = (REPO / "dags" / f"{DAG_ID}.py").read_text()
 GPU_PROFILE = {"gpu_speedup": 8, "batch_rows": 2_000_000}  # meets the gpu-pays-off rule
 ROWS, FILES = 5000, 2
 RUN_TASKS = ("run_on_cpu_spark", "run_on_gpu_slurm", "run_on_cpu_slurm", "serve_on_triton")
-
-sys.path.insert(0, str(REPO / "jobs"))
-from hybridjobs import storage  # noqa: E402
 
 
 @pytest.fixture
@@ -57,10 +55,6 @@ def scoring_ds(stack, model_of_record):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def states(result: dict) -> dict[str, str]:
-    return {task_id: task["state"] for task_id, task in result["tasks"].items()}
-
-
 def published_predictions(root: Path, ds: str) -> tuple[pa.Table, dict]:
     partition = storage.partition_dir(root, "predictions", ds)
     return pq.read_table(partition).sort_by("customer_id"), storage.read_manifest(partition)
@@ -78,8 +72,8 @@ def test_router_scores_a_large_batch_on_one_gpu_like_the_spark_route(run_dag, sl
         assert gpu["state"] == "success", gpu["log"][-4000:]
         decision = gpu["tasks"]["route"]["xcom"]["decision"]
         assert (decision["side"], decision["target"], decision["rule"]) == ("gpu", "slurm_gpu", "gpu-pays-off")
-        assert states(gpu)["run_on_gpu_slurm"] == "success"
-        assert {states(gpu)[t] for t in RUN_TASKS if t != "run_on_gpu_slurm"} == {"skipped"}
+        assert task_states(gpu)["run_on_gpu_slurm"] == "success"
+        assert {task_states(gpu)[t] for t in RUN_TASKS if t != "run_on_gpu_slurm"} == {"skipped"}
         job_id = gpu["tasks"]["run_on_gpu_slurm"]["xcom"]["slurm_job_id"]
         accounted = slurm.run(["sacct", "-X", "-P", "-n", "-j", job_id,
                                "--format=State,Partition,AllocTRES"]).stdout.strip()
@@ -103,7 +97,7 @@ def test_router_scores_a_large_batch_on_one_gpu_like_the_spark_route(run_dag, sl
         runs.append(spark["run_id"])
         assert spark["state"] == "success", spark["log"][-4000:]
         assert spark["tasks"]["route"]["xcom"]["decision"]["target"] == "spark"
-        assert states(spark)["run_on_cpu_spark"] == "success"
+        assert task_states(spark)["run_on_cpu_spark"] == "success"
         spark_table, spark_manifest = published_predictions(root, scoring_ds)
         assert spark_manifest["job"]["name"] == "score_batch"
 
@@ -118,4 +112,4 @@ def test_router_scores_a_large_batch_on_one_gpu_like_the_spark_route(run_dag, sl
                                    rtol=0, atol=1e-5)
     finally:
         for run_id in runs:
-            slurm.run(["rm", "-rf", "--", run_dir_for(str(root), run_id)])
+            slurm.run(["rm", "-rf", "--", StorageLayout(str(root)).router_run_dir(run_id)])

@@ -3,49 +3,21 @@ lifecycle (execute -> defer -> trigger -> execute_complete) in dag.test()."""
 
 from __future__ import annotations
 
-import textwrap
 import time
 import uuid
 
 import pytest
+from helpers.slurm_dags import slurm_dag
 from hybridflow.exceptions import SlurmJobFailed
 from hybridflow.hooks.slurm import SlurmHook
-
-DAG_TEMPLATE = textwrap.dedent('''
-    from datetime import datetime
-    from airflow.sdk import DAG
-    from hybridflow.operators.slurm import SlurmSubmitOperator
-
-    with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False) as dag:
-        SlurmSubmitOperator(
-            task_id="job",
-            command={command!r},
-            partition="gpu-training",
-            gpus_per_node=1,
-            time_limit=5,
-            log_dir="{log_dir}",
-            progress_path="{progress_path}",
-            poll_interval_s=2,
-            retries=0,
-        )
-''')
-
-
-@pytest.fixture
-def log_dir(stack):
-    path = f"{stack['HYBRIDFLOW_STORAGE_ROOT']}/runs/tests-{uuid.uuid4().hex[:8]}"
-    yield path
-    hook = SlurmHook()
-    hook.run(["rm", "-rf", "--", path])
-    hook.close()
 
 
 def test_slurm_operator_runs_a_gpu_job_to_completed_through_the_trigger(run_dag, log_dir):
     dag_id = f"t_slurm_ok_{uuid.uuid4().hex[:6]}"
     script = ('echo "{\\"step\\": 3, \\"total_steps\\": 6, \\"loss\\": 0.5}" > ' + log_dir + '/progress.json; '
               'echo "gpus=$CUDA_VISIBLE_DEVICES"; sleep 3; echo done-ok')
-    result = run_dag(DAG_TEMPLATE.format(dag_id=dag_id, command=["bash", "-c", script], log_dir=log_dir,
-                                         progress_path=f"{log_dir}/progress.json"), dag_id)
+    result = run_dag(slurm_dag(dag_id, ["bash", "-c", script], log_dir, progress_path=f"{log_dir}/progress.json"),
+                     dag_id)
     assert result["state"] == "success", result["log"][-3000:]
     task = result["tasks"]["job"]
     job_id = task["xcom"]["slurm_job_id"]
@@ -58,8 +30,8 @@ def test_slurm_operator_runs_a_gpu_job_to_completed_through_the_trigger(run_dag,
 
 def test_slurm_operator_failed_job_names_state_exit_code_stderr_and_runbook(run_dag, log_dir):
     dag_id = f"t_slurm_fail_{uuid.uuid4().hex[:6]}"
-    result = run_dag(DAG_TEMPLATE.format(dag_id=dag_id, command=["bash", "-c", "echo boom-on-stderr >&2; exit 3"],
-                                         log_dir=log_dir, progress_path=""), dag_id)
+    result = run_dag(slurm_dag(dag_id, ["bash", "-c", "echo boom-on-stderr >&2; exit 3"], log_dir, progress_path=""),
+                     dag_id)
     assert result["state"] == "failed"
     log = result["log"]
     job_id = result["tasks"]["job"]["xcom"]["slurm_job_id"]
@@ -134,9 +106,8 @@ def test_slurm_operator_task_killed_mid_wait_then_rerun_reattaches_to_the_one_jo
     import signal
 
     dag_id = f"t_slurm_kill_{uuid.uuid4().hex[:6]}"
-    source = DAG_TEMPLATE.format(dag_id=dag_id, command=["bash", "-c", "sleep 12; echo finished-once"],
-                                 log_dir=log_dir, progress_path="").replace(
-        "retries=0,", f"retries=0, deferrable={deferrable},")
+    source = slurm_dag(dag_id, ["bash", "-c", "sleep 12; echo finished-once"], log_dir, progress_path="",
+                       deferrable=deferrable)
     logical_date = "2026-01-01T00:00:00+00:00"
     first = run_dag(source, dag_id, logical_date=logical_date, background=True)
     prefix = f"hf-{dag_id}-job-"

@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -21,56 +16,24 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from helpers.partitions import manifest, read
+from helpers.spark import (
+    CUSTOMERS,
+    DS,
+    DS_PREV,
+    RAW_NAMES,
+    ROWS,
+    STANDALONE_MASTER,
+    generate,
+    require_standalone_master,
+    spark_submit,
+)
 from hybridflow.exceptions import DataQualityError
 from hybridflow.pipeline import quality
+from hybridjobs.features import FEATURE_COLUMNS, QUARANTINE_REASONS
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "jobs"
-BIN = Path(sys.executable).parent
-DS_PREV, DS = "2026-01-04", "2026-01-05"
-ROWS, CUSTOMERS = 20_000, 1_000
-STANDALONE_MASTER = "spark://127.0.0.1:7077"
-STANDALONE_UI = "http://127.0.0.1:8081/json/"
-
-sys.path.insert(0, str(JOBS))
-from hybridjobs.features import FEATURE_COLUMNS, QUARANTINE_REASONS  # noqa: E402
-
-
-def job_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # Executors start their Python workers with this interpreter (it has torch, pandas, pyarrow).
-    env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
-               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
-    return env
-
-
-def spark_submit(script: str, *args: str, master: str = "local[2]", timeout: int = 600) -> str:
-    # Small data: the JVM's C2 compiler would cost more CPU than it saves (about half of a job's CPU here),
-    # on cores shared with other work.
-    quick_jit = "-XX:TieredStopAtLevel=1"
-    command = [str(BIN / "spark-submit"), "--master", master, "--driver-memory", "1g",
-               "--driver-java-options", quick_jit,
-               "--conf", "spark.ui.enabled=false", "--conf", "spark.log.level=WARN",
-               # Standalone executors run as the stack's service user, this driver as root: what the driver
-               # creates (the _temporary folders) must be group-writable, and Hadoop applies its own umask.
-               "--conf", "spark.hadoop.fs.permissions.umask-mode=002"]
-    if master.startswith("spark://"):
-        command += ["--conf", "spark.executor.memory=1g", "--conf", "spark.cores.max=2",
-                    "--conf", f"spark.executor.extraJavaOptions={quick_jit}"]
-    command += [script, *args]
-    done = subprocess.run(command, env=job_env(), capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(command)} exited {done.returncode}\n"
-                    f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return done.stdout
-
-
-def generate(root: Path, ds: str, rows: int = ROWS, customers: int = CUSTOMERS) -> dict:
-    done = subprocess.run([sys.executable, str(JOBS / "generate_raw.py"), "--root", str(root), "--ds", ds,
-                           "--rows", str(rows), "--customers", str(customers)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return manifest(root, "raw", ds)
 
 
 def build_features(root: Path, ds: str, *extra: str, master: str = "local[2]") -> str:
@@ -81,18 +44,6 @@ def build_features(root: Path, ds: str, *extra: str, master: str = "local[2]") -
 def score(root: Path, ds: str, model: Path, version: str, master: str = "local[2]") -> str:
     return spark_submit(str(JOBS / "score_batch.py"), "--root", str(root), "--ds", ds, "--model", str(model),
                         "--model-version", version, master=master)
-
-
-def manifest(root: Path, dataset: str, ds: str) -> dict:
-    part = root / dataset / f"ds={ds}"
-    assert (part / "_SUCCESS").is_file(), f"{part} is not published"
-    return json.loads((part / "_MANIFEST.json").read_text())
-
-
-def read(root: Path, dataset: str, ds: str) -> pa.Table:
-    part = root / dataset / f"ds={ds}"
-    files = sorted(p for p in part.glob("*.parquet") if not p.name.startswith((".", "_")))
-    return pa.concat_tables([pq.read_table(f) for f in files])
 
 
 def save_model(path: Path, n_features: int):
@@ -231,7 +182,6 @@ CRAFTED = [
      b"DE"),
     ("negative_amount-1", b"C3", b"2026-01-05T10:00:00Z", b"purchase", b"-0.01", b"web", b"mobile", b"DE"),
 ]
-RAW_NAMES = ("event_id", "customer_id", "event_ts", "event_type", "amount", "channel", "device", "country")
 
 
 def write_crafted_raw(root: Path, ds: str) -> None:
@@ -283,6 +233,7 @@ def test_spark_crafted_rows_get_their_reason_and_exact_features(tmp_path):
             assert rows[customer][name] == pytest.approx(value, rel=1e-6, abs=1e-7), (customer, name)
 
 
+# spark-submit runs this file from a tmp dir, alone: it puts the jobs folder on its own path to import the job.
 DRIFTED_JOB = '''
 import sys
 sys.path.insert(0, {jobs!r})
@@ -318,32 +269,6 @@ def test_spark_quality_gate_fails_on_a_drifted_schema(tmp_path):
             "(29 features), expected feature_columns[19]=share_email_28d (30 features)") in text
     assert text.endswith("Runbook: include/runbooks/data-quality.md")
     assert (REPO / "include" / "runbooks" / "data-quality.md").is_file()
-
-
-def standalone_master_alive() -> str | None:
-    """None when the standalone master answers with an alive worker, else why not."""
-    try:
-        with urllib.request.urlopen(STANDALONE_UI, timeout=5) as resp:
-            state = json.load(resp)
-    except OSError as err:
-        return f"{STANDALONE_UI} does not answer ({err}); the shared stack may be restarting"
-    if not state.get("aliveworkers"):
-        return f"{STANDALONE_MASTER} has no alive worker"
-    return None
-
-
-def require_standalone_master(wait_s: float = 30.0, poll_s: float = 2.0) -> None:
-    """Fails the test (never skips it) unless the standalone master answers with an alive worker within
-    ``wait_s`` seconds (a worker re-registering after a restart gets that long)."""
-    deadline = time.monotonic() + wait_s
-    why_not = standalone_master_alive()
-    while why_not and time.monotonic() < deadline:
-        time.sleep(poll_s)
-        why_not = standalone_master_alive()
-    if why_not:
-        pytest.fail(f"Spark standalone is not usable after {wait_s:.0f} s: {why_not}. The local stack runs the "
-                    f"master ({STANDALONE_MASTER}, UI {STANDALONE_UI}) and one worker: check "
-                    "`python scripts/localstack.py status` and .state/logs/spark-*.log.", pytrace=False)
 
 
 def test_spark_standalone_master_runs_features_and_scoring(cluster_tmp_path):

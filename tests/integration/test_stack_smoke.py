@@ -12,6 +12,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers.stack import s3_client
+from helpers.triton_models import tiny_model
 from hybridflow.exceptions import SlurmConnectionError
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
@@ -137,12 +139,9 @@ def test_slurm_ssh_allows_only_key_auth_for_the_job_user(stack):
 
 @pytest.fixture
 def tiny_torchscript_model(tmp_path):
-    import torch
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Sigmoid()).eval()
+    model = tiny_model(0, n_features=4)
     path = tmp_path / "model.pt"
-    torch.jit.script(model).save(str(path))
+    model.save(str(path))
     return model, path
 
 
@@ -196,11 +195,7 @@ def test_spark_submit_runs_a_job(stack, conn_id, master):
 
 
 def test_s3_endpoint_round_trips_an_object(stack):
-    import boto3
-
-    conn = json.loads(stack["AIRFLOW_CONN_STORAGE_S3"])
-    s3 = boto3.client("s3", endpoint_url=conn["extra"]["endpoint_url"], aws_access_key_id=conn["login"],
-                      aws_secret_access_key=conn["password"], region_name="us-east-1")
+    s3, _ = s3_client(stack)
     bucket = f"smoke-{uuid.uuid4().hex[:8]}"
     s3.create_bucket(Bucket=bucket)
     s3.put_object(Bucket=bucket, Key="a/b.txt", Body=b"hello")

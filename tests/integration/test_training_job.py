@@ -23,13 +23,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hybridtrain.checkpoints import MANIFEST_NAME, checkpoint_steps, verify_checkpoint
+from hybridtrain.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "jobs" / "train.py"
-sys.path.insert(0, str(REPO / "jobs"))
-
-from hybridtrain.checkpoints import MANIFEST_NAME, checkpoint_steps, verify_checkpoint  # noqa: E402
-from hybridtrain.launch import free_port  # noqa: E402
 
 FEATURES = ["spend_30d", "visits_7d", "basket_mean", "discount_share", "support_calls", "tenure_days"]
 DAYS = ("2026-01-01", "2026-01-02")

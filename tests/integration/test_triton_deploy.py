@@ -5,150 +5,34 @@ in another process keeps sending requests; S3 publishing against the local S3 en
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
-import sys
-import textwrap
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
+from helpers.stack import s3_client
+from helpers.triton_models import N_FEATURES, deploy_dag, make_export, ready_versions, remove_model
 from hybridflow.hooks.model_repository import LocalModelRepository, S3ModelRepository, open_repository
 from hybridflow.hooks.triton import TritonHook
 from hybridflow.utils.triton import RECORD_FILE, Repository, VersionRecord, VersionStatus
 
 REPO = Path(__file__).resolve().parents[2]
-N_FEATURES = 8
-
-DEPLOY_DAG = textwrap.dedent('''
-    from datetime import datetime
-    from airflow.sdk import DAG
-    from hybridflow.operators.triton import TritonDeployOperator
-
-    with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
-        TritonDeployOperator(
-            task_id="deploy",
-            export_dir="{export_dir}",
-            model_name="{model}",
-            repository="{repository}",
-            slo_p99_ms=50,
-            concurrency=4,
-            gate_requests=200,
-            readiness_timeout_s=120,
-            retries=0,
-        )
-''')
-
-# A client that keeps asking for the model (no version: what the server serves), in its own process, and writes
-# every answer's time, latency, serving version and error when it is stopped.
-CLIENT_LOOP = textwrap.dedent('''
-    import json, signal, sys, time
-    import numpy as np
-    import tritonclient.http as http
-    name, url, out = sys.argv[1:4]
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    client = http.InferenceServerClient(url, network_timeout=30)
-    batch = np.ones((1, int(sys.argv[4])), np.float32)
-    events = []
-    while not stop:
-        data = http.InferInput("INPUT__0", list(batch.shape), "FP32")
-        data.set_data_from_numpy(batch, binary_data=True)
-        started = time.time()
-        try:
-            version = client.infer(name, [data]).get_response()["model_version"]
-            events.append([started, time.time() - started, version, ""])
-        except Exception as exc:
-            events.append([started, time.time() - started, "", str(exc)[:300]])
-        time.sleep(0.01)
-    json.dump(events, open(out, "w"))
-''')
-
-
-def tiny_model(seed: int) -> torch.jit.ScriptModule:
-    torch.manual_seed(seed)
-    return torch.jit.script(torch.nn.Sequential(torch.nn.Linear(N_FEATURES, 1), torch.nn.Sigmoid()).eval())
-
-
-def make_export(directory: Path, seed: int, kind: str = "good") -> Path:
-    """An export dir as jobs/hybridtrain/export.py writes it. ``wrong``: model.pt is another model than the one
-    the smoke outputs came from; ``broken``: model.pt is not a TorchScript archive."""
-    directory.mkdir(parents=True)
-    model = tiny_model(seed)
-    inputs = np.random.default_rng(seed).normal(size=(16, N_FEATURES)).astype(np.float32)
-    with torch.inference_mode():
-        outputs = model(torch.from_numpy(inputs)).numpy()
-    if kind == "good":
-        model.save(str(directory / "model.pt"))
-    elif kind == "wrong":
-        tiny_model(seed + 1000).save(str(directory / "model.pt"))
-    elif kind == "broken":
-        (directory / "model.pt").write_bytes(b"this is not a TorchScript archive " + str(seed).encode())
-    signature = {"format": "torchscript", "feature_columns": [f"f{i}" for i in range(N_FEATURES)],
-                 "n_features": N_FEATURES, "step": seed,
-                 "inputs": [{"name": "INPUT__0", "dtype": "float32", "shape": [-1, N_FEATURES]}],
-                 "outputs": [{"name": "OUTPUT__0", "dtype": "float32", "shape": [-1, 1], "meaning": "probability"}]}
-    smoke = {"input_name": "INPUT__0", "output_name": "OUTPUT__0", "atol": 1e-5, "inputs": inputs.tolist(),
-             "outputs": outputs.tolist()}
-    (directory / "signature.json").write_text(json.dumps(signature))
-    (directory / "smoke.json").write_text(json.dumps(smoke))
-    return directory
-
-
-@pytest.fixture
-def repository(stack) -> str:
-    return f"{stack['HYBRIDFLOW_STORAGE_ROOT']}/model-repository"
 
 
 @pytest.fixture
 def model_name(stack, repository):
     name = f"t_deploy_{uuid.uuid4().hex[:8]}"
     yield name
-    hook = TritonHook("triton_default")
-    try:
-        hook.unload_model(name)
-    finally:
-        hook.close()
-        LocalModelRepository(Repository.parse(repository)).remove_model(name)
-
-
-class ClientLoop:
-    def __init__(self, name: str, url: str, out: Path):
-        self.out = out
-        self.proc = subprocess.Popen([sys.executable, "-c", CLIENT_LOOP, name, url, str(out), str(N_FEATURES)])
-        self.windows: dict[str, tuple[float, float]] = {}
-
-    def stop(self) -> list[list]:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=30)
-        return json.loads(self.out.read_text())
-
-
-@pytest.fixture
-def client_loop(stack, tmp_path):
-    loops = []
-
-    def start(name: str) -> ClientLoop:
-        loop = ClientLoop(name, "127.0.0.1:8000", tmp_path / f"client-{len(loops)}.json")
-        loops.append(loop)
-        return loop
-
-    yield start
-    for loop in loops:
-        if loop.proc.poll() is None:
-            loop.proc.kill()
+    remove_model(repository, name)
 
 
 def deploy(run_dag, loop, label: str, export_dir: Path, model: str, repository: str) -> dict:
     dag_id = f"t_deploy_{label}_{uuid.uuid4().hex[:6]}"
     started = time.time()
-    result = run_dag(DEPLOY_DAG.format(dag_id=dag_id, export_dir=export_dir, model=model, repository=repository),
-                     dag_id)
+    result = run_dag(deploy_dag(dag_id, export_dir, model, repository), dag_id)
     if loop is not None:
         loop.windows[label] = (started, time.time())
     return result
@@ -156,14 +40,6 @@ def deploy(run_dag, loop, label: str, export_dir: Path, model: str, repository: 
 
 def records(repository: str, model: str) -> dict[int, VersionRecord]:
     return LocalModelRepository(Repository.parse(repository)).records(model)
-
-
-def ready_versions(model: str) -> list[int]:
-    hook = TritonHook("triton_default")
-    try:
-        return hook.ready_versions(model)
-    finally:
-        hook.close()
 
 
 def test_deploy_promotes_good_versions_rolls_back_bad_ones_and_oncall_restores_with_no_failed_request(
@@ -285,11 +161,7 @@ def test_readiness_trigger_reports_the_load_error_of_an_unknown_model(stack, mod
 # ------------------------------------------------------------------------------------------------ S3 repository
 @pytest.fixture
 def s3_bucket(stack):
-    import boto3
-
-    conn = json.loads(stack["AIRFLOW_CONN_STORAGE_S3"])
-    s3 = boto3.client("s3", endpoint_url=conn["extra"]["endpoint_url"], aws_access_key_id=conn["login"],
-                      aws_secret_access_key=conn["password"], region_name="us-east-1")
+    s3, conn = s3_client(stack)
     bucket = f"t-repo-{uuid.uuid4().hex[:8]}"
     s3.create_bucket(Bucket=bucket)
     yield bucket, s3, conn
@@ -332,14 +204,10 @@ def free_port() -> int:
 @pytest.fixture
 def s3_triton(s3_bucket, monkeypatch, tmp_path):
     """A second real tritonserver (the same bundled binary) whose model repository is the S3 bucket."""
-    import importlib.util
+    import localstack
 
     bucket, s3, conn = s3_bucket
     s3.put_object(Bucket=bucket, Key="models/README", Body=b"Triton needs the repository prefix to exist")
-    spec = importlib.util.spec_from_file_location("localstack", REPO / "scripts" / "localstack.py")
-    localstack = importlib.util.module_from_spec(spec)
-    sys.modules["localstack"] = localstack
-    spec.loader.exec_module(localstack)
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     endpoint = conn["extra"]["endpoint_url"].removeprefix("http://")
     env = dict(localstack.triton_env(), AWS_ACCESS_KEY_ID=conn["login"], AWS_SECRET_ACCESS_KEY=conn["password"],

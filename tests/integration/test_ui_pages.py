@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,11 +13,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from airflow_api import local_api
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.utils.slurm import SlurmJobSpec, render_sbatch_script
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from airflow_api import local_api  # noqa: E402
 
 
 def fetch(url: str, token: str | None = None) -> tuple[int, str]:

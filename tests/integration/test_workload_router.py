@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 import uuid
 from datetime import date, timedelta
@@ -14,22 +12,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.dag_runs import run_captured, task_states
+from helpers.spark import generate
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
+from hybridflow.layout import StorageLayout
 from hybridflow.pipeline.registry import file_sha256
-from hybridflow.pipeline.routing import run_dir_for
 from hybridflow.utils.slurm import deterministic_job_name
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_ID = "workload_router"
 SOURCE = (REPO / "dags" / f"{DAG_ID}.py").read_text()
-RUNNER = Path(__file__).with_name("airflow_runner.py")
 VALID_TYPES = "feature_engineering, model_training, batch_inference, realtime_inference"
 RUN_TASKS = ("run_on_cpu_spark", "run_on_gpu_slurm", "run_on_cpu_slurm", "serve_on_triton")
-
-
-def states(result: dict) -> dict[str, str]:
-    return {task_id: task["state"] for task_id, task in result["tasks"].items()}
 
 
 def router_jobs(slurm: SlurmHook, run_id: str) -> list:
@@ -39,7 +34,7 @@ def router_jobs(slurm: SlurmHook, run_id: str) -> list:
 
 
 def remove_run_dir(slurm: SlurmHook, stack: dict, run_id: str) -> None:
-    slurm.run(["rm", "-rf", "--", run_dir_for(stack["HYBRIDFLOW_STORAGE_ROOT"], run_id)])
+    slurm.run(["rm", "-rf", "--", StorageLayout(stack["HYBRIDFLOW_STORAGE_ROOT"]).router_run_dir(run_id)])
 
 
 @pytest.fixture
@@ -48,10 +43,7 @@ def raw_partition(stack):
     project's generator; raw, features and quarantine partitions of that date are removed afterwards."""
     root = Path(stack["HYBRIDFLOW_STORAGE_ROOT"])
     ds = (date(2033, 1, 1) + timedelta(days=uuid.uuid4().int % 3000)).isoformat()
-    done = subprocess.run([sys.executable, str(REPO / "jobs" / "generate_raw.py"), "--root", str(root), "--ds", ds,
-                           "--rows", "20000", "--customers", "2000"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    yield root, ds, json.loads((root / "raw" / f"ds={ds}" / "_MANIFEST.json").read_text())
+    yield root, ds, generate(root, ds, rows=20_000, customers=2_000)
     for dataset in ("raw", "features", "quarantine"):
         shutil.rmtree(root / dataset / f"ds={ds}", ignore_errors=True)
 
@@ -65,8 +57,8 @@ def test_router_feature_engineering_runs_the_features_job_on_spark(run_dag, raw_
     assert result["state"] == "success", result["log"][-4000:]
     decision = result["tasks"]["route"]["xcom"]["decision"]
     assert (decision["side"], decision["target"], decision["rule"]) == ("cpu", "spark", "default")
-    assert states(result)["run_on_cpu_spark"] == "success"
-    assert {states(result)[t] for t in RUN_TASKS[1:]} == {"skipped"}
+    assert task_states(result)["run_on_cpu_spark"] == "success"
+    assert {task_states(result)[t] for t in RUN_TASKS[1:]} == {"skipped"}
     assert result["tasks"]["route"]["xcom"]["spark_application"].endswith("/build_features.py")
     features = json.loads((root / "features" / f"ds={ds}" / "_MANIFEST.json").read_text())
     quarantine = json.loads((root / "quarantine" / f"ds={ds}" / "_MANIFEST.json").read_text())
@@ -81,9 +73,9 @@ def test_router_model_training_completes_on_the_gpu_partition_with_one_gpu(run_d
     try:
         assert result["state"] == "success", result["log"][-4000:]
         assert result["tasks"]["route"]["xcom"]["decision"]["target"] == "slurm_gpu"
-        assert states(result)["run_on_gpu_slurm"] == "success"
+        assert task_states(result)["run_on_gpu_slurm"] == "success"
         others = ("run_on_cpu_spark", "run_on_cpu_slurm", "serve_on_triton")
-        assert {states(result)[t] for t in others} == {"skipped"}
+        assert {task_states(result)[t] for t in others} == {"skipped"}
         job_id = result["tasks"]["run_on_gpu_slurm"]["xcom"]["slurm_job_id"]
         accounted = slurm.run(["sacct", "-X", "-P", "-n", "-j", job_id,
                                "--format=State,Partition,AllocTRES,JobName"]).stdout.strip()
@@ -93,7 +85,7 @@ def test_router_model_training_completes_on_the_gpu_partition_with_one_gpu(run_d
         assert name == deterministic_job_name(DAG_ID, "run_on_gpu_slurm.0", result["run_id"])
         # the job really ran the training step the rules name, with the validated config field
         step = json.loads(slurm.read_text(
-            f"{run_dir_for(stack['HYBRIDFLOW_STORAGE_ROOT'], result['run_id'])}/training_step.json"))
+            f"{StorageLayout(stack['HYBRIDFLOW_STORAGE_ROOT']).router_run_dir(result['run_id'])}/training_step.json"))
         assert step["slurm_job_id"] == job_id and step["model"]["hidden_sizes"] == [64, 32]
         assert step["world_size"] == 2
     finally:
@@ -105,7 +97,7 @@ def test_router_realtime_inference_deploys_the_model_of_record_to_triton(run_dag
     its model.pt serves, promoted after the smoke test and the latency gate."""
     result = run_dag(SOURCE, DAG_ID, {"workload_type": "realtime_inference", "profile": {"cpu_p99_ms": 12.5}})
     assert result["state"] == "success", result["log"][-4000:]
-    assert {states(result)[t] for t in RUN_TASKS[:3]} == {"skipped"}
+    assert {task_states(result)[t] for t in RUN_TASKS[:3]} == {"skipped"}
     deploy = result["tasks"]["route"]["xcom"]["deploy"]
     assert (deploy["export_dir"], deploy["model_version"]) == (model_of_record["export_dir"],
                                                                model_of_record["version"])
@@ -127,7 +119,7 @@ def test_router_realtime_inference_deploys_the_model_of_record_to_triton(run_dag
 def test_router_realtime_inference_dry_run_says_what_it_would_deploy(run_dag, model_of_record):
     result = run_dag(SOURCE, DAG_ID, {"workload_type": "realtime_inference", "dry_run": True})
     assert result["state"] == "success", result["log"][-4000:]
-    assert {states(result)[t] for t in RUN_TASKS} == {"skipped"}
+    assert {task_states(result)[t] for t in RUN_TASKS} == {"skipped"}
     assert (f"would run serve_on_triton: deploy the model of record {model_of_record['version']} "
             f"({model_of_record['export_dir']}) to Triton model") in result["log"]
     assert "latency gate p99 <= 50 ms" in result["log"] and "promote it or roll back" in result["log"]
@@ -136,20 +128,16 @@ def test_router_realtime_inference_dry_run_says_what_it_would_deploy(run_dag, mo
 def test_router_dry_run_routes_and_starts_nothing(run_dag, slurm):
     result = run_dag(SOURCE, DAG_ID, {"workload_type": "model_training", "dry_run": True})
     assert result["state"] == "success", result["log"][-4000:]
-    assert states(result)["route"] == "success"
-    assert {states(result)[t] for t in RUN_TASKS} == {"skipped"}
+    assert task_states(result)["route"] == "success"
+    assert {task_states(result)[t] for t in RUN_TASKS} == {"skipped"}
     assert "dry run: model_training -> gpu (slurm_gpu)" in result["log"]
     assert router_jobs(slurm, result["run_id"]) == []
 
 
 def test_router_unknown_type_is_refused_by_the_trigger_form_schema(isolated_airflow_env, slurm, tmp_path):
     """The params' enum refuses the run before any task starts, naming the valid types."""
-    dag_file = Path(isolated_airflow_env["AIRFLOW__CORE__DAGS_FOLDER"]) / f"{DAG_ID}.py"
-    dag_file.write_text(SOURCE)
     started = time.time()
-    out = subprocess.run([sys.executable, str(RUNNER), str(dag_file), DAG_ID,
-                          json.dumps({"workload_type": "quantum_annealing"})],
-                         env=isolated_airflow_env, capture_output=True, text=True, timeout=300)
+    out = run_captured(isolated_airflow_env, SOURCE, DAG_ID, {"workload_type": "quantum_annealing"})
     assert out.returncode != 0 and "RESULT " not in out.stdout
     assert "quantum_annealing" in out.stderr and "is not one of" in out.stderr
     for valid in VALID_TYPES.split(", "):
@@ -165,9 +153,9 @@ def test_router_unknown_type_fails_the_route_task_clearly_even_past_the_schema(r
     assert enum in SOURCE
     result = run_dag(SOURCE.replace(enum, ""), DAG_ID, {"workload_type": "model_training; rm -rf /"})
     assert result["state"] == "failed"
-    assert states(result)["route"] == "failed" and result["tasks"]["route"]["try_number"] == 1
-    assert "upstream_failed" in {states(result)[t] for t in RUN_TASKS}
-    assert "success" not in {states(result)[t] for t in RUN_TASKS}
+    assert task_states(result)["route"] == "failed" and result["tasks"]["route"]["try_number"] == 1
+    assert "upstream_failed" in {task_states(result)[t] for t in RUN_TASKS}
+    assert "success" not in {task_states(result)[t] for t in RUN_TASKS}
     assert (f"workload refused: workload_type 'model_training; rm -rf /' is not a known workload type; valid "
             f"types: {VALID_TYPES}") in result["log"]
     assert "Runbook: include/runbooks/workload-router.md" in result["log"]

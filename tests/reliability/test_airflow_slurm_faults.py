@@ -12,9 +12,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
-import textwrap
-import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -23,59 +20,18 @@ from pathlib import Path
 import paramiko
 import pytest
 from airflow_api import trigger, wait_for_run
+from helpers.reliability import report
+from helpers.slurm_dags import slurm_dag
+from helpers.stack import service_down
+from helpers.waiting import joined, run_in_thread, wait_until
 from hybridflow.exceptions import SlurmConnectionError
 from hybridflow.utils.slurm import deterministic_job_name
-
-REPO = Path(__file__).resolve().parents[2]
-LOCALSTACK = [sys.executable, str(REPO / "scripts" / "localstack.py")]
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 PROBE_DAG = "reliability_probe"
 PROBE_TASK = "sleep_job"
 LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING"}
-
-DAG_TEMPLATE = textwrap.dedent('''
-    from datetime import datetime
-    from airflow.sdk import DAG
-    from hybridflow.operators.slurm import SlurmSubmitOperator
-
-    with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False) as dag:
-        SlurmSubmitOperator(
-            task_id="job",
-            command={command!r},
-            partition="gpu-training",
-            gpus_per_node=1,
-            time_limit=5,
-            signal=None,
-            log_dir="{log_dir}",
-            poll_interval_s=2,
-            reconnect_budget_s={budget},
-            retries=0,
-        )
-''')
-
-
-def report(scenario: str, **figures) -> None:
-    line = " ".join(f"{key}={value}" for key, value in figures.items())
-    print(f"RELIABILITY {scenario} {line}", flush=True)
-
-
-def localstack(action: str, service: str) -> None:
-    done = subprocess.run([*LOCALSTACK, action, service], capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        raise RuntimeError(f"localstack {action} {service} failed:\n{done.stdout}\n{done.stderr}")
-
-
-@contextmanager
-def service_down(service: str):
-    """Stops one service of the local stack and always brings it back, even when the test fails."""
-    localstack("down", service)
-    try:
-        yield
-    finally:
-        localstack("up", service)
-
 
 def _own_pids(marker: str) -> set[int]:
     """Our task process (``marker`` is in its command line: the run_dag DAG file) and its session."""
@@ -215,24 +171,16 @@ def jobs_named_like(prefix: str) -> dict[str, str]:
     return jobs
 
 
-def wait_until(what: str, check, timeout_s: float, every_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 def cancel_all(job_ids) -> None:
     if job_ids:
         SLURM.run(["scancel", *job_ids], check=False)  # a job that ended meanwhile makes scancel exit 1
 
 
-def slurm_dag(dag_id: str, log_dir: str, sleep_s: int, budget: float = 300.0) -> str:
-    script = f"sleep {sleep_s}; echo finished-once"
-    return DAG_TEMPLATE.format(dag_id=dag_id, command=["bash", "-c", script], log_dir=log_dir, budget=budget)
+def sleeping_job_dag(dag_id: str, log_dir: str, sleep_s: int, budget: float = 300.0) -> str:
+    """A job that sleeps ``sleep_s``, then prints finished-once; signal=None (no warning signal before its time
+    limit) and ``budget`` as the operator's SSH reconnect budget."""
+    command = ["bash", "-c", f"sleep {sleep_s}; echo finished-once"]
+    return slurm_dag(dag_id, command, log_dir, signal=None, reconnect_budget_s=budget)
 
 
 def kill_task_process(proc) -> None:
@@ -252,7 +200,7 @@ def test_task_process_killed_again_and_again_always_reattaches_to_the_one_job(ru
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     dag_id = f"r_kill_{uuid.uuid4().hex[:6]}"
-    source = slurm_dag(dag_id, log_dir, sleep_s=75)
+    source = sleeping_job_dag(dag_id, log_dir, sleep_s=75)
     logical_date = "2026-01-02T00:00:00+00:00"
     prefix = f"hf-{dag_id}-job-"
     max_jobs_seen = 0
@@ -411,34 +359,12 @@ def test_triggerer_restart_while_deferred_resumes_and_the_task_succeeds_on_the_s
             cancel_all([job_id])
 
 
-def run_in_thread(run_dag, *args, **kwargs) -> tuple[threading.Thread, dict]:
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = run_dag(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, box
-
-
-def joined(thread: threading.Thread, box: dict, timeout_s: float) -> dict:
-    thread.join(timeout_s)
-    assert not thread.is_alive(), "the DAG run did not finish"
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
 def test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succeeds(run_dag, log_dir, task_watch):
     """Injected: the login node's sshd stopped for ~30 s while the trigger follows the job (budget 300 s).
     Survives: the trigger, the job; the task succeeds with exactly one job."""
     dag_id = f"r_sshd_{uuid.uuid4().hex[:6]}"
     prefix = f"hf-{dag_id}-job-"
-    thread, box = run_in_thread(run_dag, slurm_dag(dag_id, log_dir, sleep_s=50), dag_id, timeout_s=300)
+    thread, box = run_in_thread(run_dag, sleeping_job_dag(dag_id, log_dir, sleep_s=50), dag_id, timeout_s=300)
     try:
         wait_until("the job to run", lambda: "RUNNING" in jobs_named_like(prefix).values(), timeout_s=120)
         task_watch.wait(dag_id, "deferred")  # the trigger follows the job now
@@ -465,7 +391,7 @@ def test_sshd_down_past_the_reconnect_budget_fails_clearly_and_a_rerun_reattache
     same DAG run reattaches to it and succeeds."""
     dag_id = f"r_sshd_budget_{uuid.uuid4().hex[:6]}"
     prefix = f"hf-{dag_id}-job-"
-    source = slurm_dag(dag_id, log_dir, sleep_s=70, budget=15)
+    source = sleeping_job_dag(dag_id, log_dir, sleep_s=70, budget=15)
     logical_date = "2026-01-03T00:00:00+00:00"
     thread, box = run_in_thread(run_dag, source, dag_id, logical_date=logical_date, timeout_s=300)
     try:

@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,42 +22,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-JOBS = REPO / "jobs"
-sys.path.insert(0, str(REPO / "tests" / "integration"))
-sys.path.insert(0, str(JOBS))
-
-from hybridjobs.features import FEATURE_COLUMNS  # noqa: E402
-from test_spark_stages import (  # noqa: E402
-    BIN,
+from helpers.partitions import manifest, read
+from helpers.spark import (
     DS,
+    JOBS,
     RAW_NAMES,
     STANDALONE_MASTER,
     generate,
     job_env,
-    manifest,
-    read,
     require_standalone_master,
+    spark_command,
 )
+from hybridjobs.features import FEATURE_COLUMNS
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
-
-QUICK_JIT = "-XX:TieredStopAtLevel=1"
 
 
 def submit(script: str, *args: str, master: str = "local[2]", conf: dict[str, str] | None = None,
            timeout: int = 300) -> subprocess.Popen:
-    command = [str(BIN / "spark-submit"), "--master", master, "--driver-memory", "1g",
-               "--driver-java-options", QUICK_JIT, "--conf", "spark.ui.enabled=false",
-               "--conf", "spark.log.level=WARN", "--conf", "spark.hadoop.fs.permissions.umask-mode=002"]
-    if master.startswith("spark://"):
-        command += ["--conf", "spark.executor.memory=1g", "--conf", "spark.cores.max=2",
-                    "--conf", f"spark.executor.extraJavaOptions={QUICK_JIT}"]
-    for key, value in (conf or {}).items():
-        command += ["--conf", f"{key}={value}"]
-    return subprocess.Popen([*command, script, *args], env=job_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(spark_command(script, *args, master=master, conf=conf), env=job_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def features_job(root: Path, ds: str = DS, master: str = "local[2]",

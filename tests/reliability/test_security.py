@@ -13,21 +13,17 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 import sqlalchemy
+from airflow_api import trigger
+from helpers.rest import call, local_api_when_up
 
 REPO = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state"))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from airflow_api import local_api, trigger  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -40,33 +36,9 @@ RUN_PREFIX = "reliability_hostile__"
 REQUIRED_VALUES = {"oncall_training_job": {"job_id": "999999999", "reason": "reliability probe"}}
 
 
-def call(api, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(api.base_url + path, method=method,
-                                 data=json.dumps(body).encode() if body is not None else None)
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {api.token}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else {}
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw)
-        except ValueError:
-            return exc.code, {"detail": raw.decode(errors="replace")}
-
-
 @pytest.fixture(scope="module")
 def api(stack):
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            return local_api()
-        except (OSError, RuntimeError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(2)
+    return local_api_when_up()
 
 
 # --- 10: hostile params -----------------------------------------------------------------------------------

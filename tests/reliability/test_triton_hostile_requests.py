@@ -13,32 +13,25 @@ import http.client
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
+import localstack
 import numpy as np
 import pytest
-import torch
+from helpers.reliability import report
+from helpers.triton_models import tiny_model
 from hybridflow.hooks.model_repository import LocalModelRepository
 from hybridflow.hooks.triton import TritonHook
 from hybridflow.utils.triton import ModelConfigSpec, Repository, python_backend_source, render_model_config
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-import localstack  # noqa: E402
 
 HOST, PORT = "127.0.0.1", localstack.STACK["triton_http_port"]
 N = 8  # features of the test model
 ROW = [0.25] * N
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
-
-
-def report(scenario: str, **figures) -> None:
-    print(f"RELIABILITY {scenario} " + " ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
 
 
 def post(path: str, body: bytes, headers: dict | None = None, timeout: float = 30) -> tuple[int, dict]:
@@ -85,8 +78,7 @@ def served_model(stack):
     repository = Repository.parse(f"{stack['HYBRIDFLOW_STORAGE_ROOT']}/model-repository")
     repo = LocalModelRepository(repository)
     name = f"r_hostile_{uuid.uuid4().hex[:8]}"
-    torch.manual_seed(0)
-    model = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(N, 1), torch.nn.Sigmoid()).eval())
+    model = tiny_model(0, n_features=N)
     model_dir = repo.root / name
     version_dir = model_dir / "1"
     version_dir.mkdir(parents=True)

@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hybridflow.config import load_pipeline_config
+from helpers.nested import change_at
+from hybridflow.config import (
+    check_integer,
+    check_keys,
+    check_mapping,
+    check_number,
+    check_one_of,
+    check_text,
+    load_pipeline_config,
+    model_preset_names,
+)
 from hybridflow.exceptions import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,14 +45,7 @@ def test_config_env_references_are_expanded(tmp_path, monkeypatch):
 
 def mutate(path: str, value):
     data = yaml.safe_load(yaml.safe_dump(GOOD))
-    *parents, leaf = path.split(".")
-    node = data
-    for key in parents:
-        node = node[key]
-    if value is KeyError:
-        del node[leaf]
-    else:
-        node[leaf] = value
+    change_at(data, path.split("."), value, delete_marker=KeyError)
     return data
 
 
@@ -102,3 +105,40 @@ def test_config_env_values_take_the_type_the_key_expects(tmp_path, monkeypatch, 
         monkeypatch.setenv(name, value)
     nightly = load_pipeline_config(write(tmp_path, GOOD)).nightly
     assert (nightly.simulate_raw, nightly.simulate_raw_rows) == expected
+
+
+def test_model_presets_are_the_file_the_training_job_reads():
+    from hybridtrain.config import DEFAULT_MODEL_PRESETS_PATH, load_model_presets
+
+    assert model_preset_names() == tuple(load_model_presets(DEFAULT_MODEL_PRESETS_PATH))
+    assert load_pipeline_config().nightly.model_preset in model_preset_names()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("{", "cannot read the model presets"), ('{"presets": ["small"]}', "presets: expected a mapping, got list"),
+     ('{"presets": {}}', "presets: {}; define at least one preset")],
+)
+def test_model_presets_file_mistakes_name_the_file(tmp_path, content, message):
+    path = tmp_path / "model_presets.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        model_preset_names(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "check, args, message",
+    [(check_keys, ({"a": 1, "z": 2}, "x", {"a"}, {"b"}), "x: unknown key(s) z; expected some of a, b"),
+     (check_keys, ({}, "x", {"a"}), "x.a: missing (required)"),
+     (check_mapping, ([], "x"), "x: expected a mapping, got list"),
+     (check_text, (" ", "x.name"), "x.name: ' '; expected non-empty text"),
+     (check_integer, (True, "x.n", 1), "x.n: True; expected an integer >= 1"),
+     (check_number, (float("inf"), "x.v"), "x.v: inf; expected a number"),
+     (check_number, (-1, "x.v", 0), "x.v: -1; expected a number >= 0"),
+     (check_one_of, ("yarn", ("spark", "slurm"), "x.target"), "x.target: 'yarn'; expected one of spark, slurm")],
+)
+def test_config_checks_say_where_what_and_what_to_do(check, args, message):
+    with pytest.raises(ConfigError) as err:
+        check(*args)
+    assert str(err.value) == message

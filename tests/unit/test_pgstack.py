@@ -12,7 +12,7 @@ import stat
 import struct
 from pathlib import Path
 
-import pgstack  # tests/conftest.py puts scripts/ on sys.path
+import pgstack  # pytest puts scripts/ on sys.path (pythonpath in pyproject.toml)
 import pytest
 
 

@@ -4,14 +4,14 @@ half-published version is never visible to the server.
 
 from __future__ import annotations
 
-import os
 import shutil
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridflow.atomic import SwapError, staged_dir, write_bytes_atomic
+from hybridflow.config import ServingConfig
 from hybridflow.exceptions import TritonError
 from hybridflow.utils.triton import CONFIG_FILE, RECORD_FILE, Repository, VersionRecord, version_numbers
 
@@ -111,36 +111,32 @@ class LocalModelRepository(ModelRepository):
     def write(self, name: str, relpath: str, data: bytes) -> None:
         target = self.root / name / relpath
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._staging() / f"{name}.{uuid.uuid4().hex}.{target.name}"
-        tmp.write_bytes(data)
-        tmp.chmod(0o644)
-        os.replace(tmp, target)
-        self._drop_staging()
+        try:
+            write_bytes_atomic(target, data, mode=0o644, temp_dir=self._staging())
+        finally:
+            self._drop_staging()
 
     def publish_version(self, name: str, version: int, files: Mapping[str, Path | bytes],
                         record: VersionRecord) -> None:
-        staging = self._staging() / f"{name}.{version}.{uuid.uuid4().hex}"
-        staging.mkdir(mode=0o755)
         try:
-            for relpath, content in files.items():
-                target = staging / relpath
-                if isinstance(content, bytes):
-                    target.write_bytes(content)
-                else:
-                    shutil.copyfile(content, target)
-                target.chmod(0o644)
-            (staging / RECORD_FILE).write_text(record.to_json())
-            (self.root / name).mkdir(parents=True, exist_ok=True)
-            try:
-                # rename(2) refuses a non-empty target: a concurrent deploy cannot overwrite a published version.
-                staging.rename(self.root / name / str(version))
-            except OSError as exc:
-                raise TritonError(
-                    f"cannot publish version {version} of {name} in {self.root}: {exc}; another deploy of the same "
-                    "model may be running: let it finish, then rerun"
-                ) from exc
+            # replace=False: rename(2) refuses a non-empty target, so a concurrent deploy cannot overwrite a
+            # published version.
+            with staged_dir(self.root / name / str(version), replace=False, staging_parent=self._staging(),
+                            mode=0o755) as staging:
+                for relpath, content in files.items():
+                    target = staging / relpath
+                    if isinstance(content, bytes):
+                        target.write_bytes(content)
+                    else:
+                        shutil.copyfile(content, target)
+                    target.chmod(0o644)
+                (staging / RECORD_FILE).write_text(record.to_json())
+        except SwapError as exc:
+            raise TritonError(
+                f"cannot publish version {version} of {name} in {self.root}: {exc}; another deploy of the same "
+                "model may be running: let it finish, then rerun"
+            ) from exc
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
             self._drop_staging()
 
     def remove_model(self, name: str) -> None:
@@ -195,7 +191,7 @@ class S3ModelRepository(ModelRepository):
                 Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]]})
 
 
-def open_repository(uri: str, storage_conn_id: str = "storage_s3") -> ModelRepository:
+def open_repository(uri: str, storage_conn_id: str = ServingConfig.storage_conn_id) -> ModelRepository:
     """The repository at ``uri``: a local directory, or ``s3://bucket/prefix`` through ``storage_conn_id``."""
     repository = Repository.parse(uri)
     if repository.scheme == "s3":

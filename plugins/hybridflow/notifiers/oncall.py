@@ -31,6 +31,8 @@ from typing import Any
 
 from airflow.sdk import BaseNotifier
 
+from hybridflow.layout import StorageLayout
+
 DEFAULT_STORAGE_ROOT = "/var/lib/hybridflow/storage"
 ALERTS_FILE_ENV = "HYBRIDFLOW_ALERTS_FILE"
 DEDUP_STATE_NAME = "oncall-dedup.json"
@@ -321,11 +323,12 @@ def _write_state(handle, state: Mapping[str, float]) -> None:
 
 
 def default_alerts_file() -> Path:
-    """HYBRIDFLOW_ALERTS_FILE, else ``<HYBRIDFLOW_STORAGE_ROOT>/alerts/alerts.jsonl``."""
+    """HYBRIDFLOW_ALERTS_FILE, else ``<HYBRIDFLOW_STORAGE_ROOT>/alerts/alerts.jsonl``. Read from the environment,
+    not the pipeline config: an alert must leave even when the config is what broke."""
     configured = os.environ.get(ALERTS_FILE_ENV)
     if configured:
         return Path(configured)
-    return Path(os.environ.get("HYBRIDFLOW_STORAGE_ROOT") or DEFAULT_STORAGE_ROOT) / "alerts" / "alerts.jsonl"
+    return Path(StorageLayout(os.environ.get("HYBRIDFLOW_STORAGE_ROOT") or DEFAULT_STORAGE_ROOT).alerts_file)
 
 
 def append_alert(path: Path, alert: Alert) -> None:

@@ -46,7 +46,7 @@ class RunReportOperator(BaseOperator):
         from pathlib import Path
 
         from hybridflow.config import pipeline_config
-        from hybridflow.pipeline.nightly import run_key, training_figures
+        from hybridflow.pipeline.nightly import training_figures
         from hybridflow.pipeline.nightly_tasks import read_cluster_json, scoring_figures
         from hybridflow.pipeline.report import write_report
 
@@ -70,8 +70,8 @@ class RunReportOperator(BaseOperator):
             "scoring": scoring_figures(config, ds),
             "deploy": deploy,
         }
-        relative = f"{dag_id}/ds={ds}/{run_key(run_id)}"
-        report_dir = Path(config.storage.root) / "reports" / relative
+        relative = config.storage.layout.report_path(dag_id, ds, run_id)
+        report_dir = Path(config.storage.layout.report_dir(dag_id, ds, run_id))
         written = write_report(report_dir, figures, config.costs, p99_slo_ms=config.serving.slo_p99_ms)
         self.log.info("Run report: %s (not measured: %s)", written["html"],
                       [item.get("figure") or item for item in written.get("not_measured", [])] or "none")

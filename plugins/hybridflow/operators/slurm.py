@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
+from hybridflow.config import ClusterConfig
 from hybridflow.exceptions import SlurmConnectionError, SlurmJobFailed
 from hybridflow.ui import SlurmJobLink
 
@@ -48,6 +49,9 @@ class SlurmSubmitOperator(BaseOperator):
     :param requeue: let Slurm requeue the job on preemption or node failure; followed up to ``max_requeues``.
     :param signal: ``SIG@seconds`` sent before the time limit so the job can checkpoint.
     :param deferrable: wait in the triggerer (default) instead of holding a worker slot.
+
+    ``max_requeues`` and ``poll_interval_s`` default to the pipeline config's
+    (:class:`~hybridflow.config.ClusterConfig`).
     """
 
     template_fields: Sequence[str] = ("command", "partition", "log_dir", "progress_path", "env", "time_limit",
@@ -75,11 +79,11 @@ class SlurmSubmitOperator(BaseOperator):
         constraint: str | None = None,
         signal: str | None = "USR2@90",
         requeue: bool = True,
-        max_requeues: int = 3,
+        max_requeues: int = ClusterConfig.max_requeues,
         env: Mapping[str, str] | None = None,
         setup_lines: Sequence[str] = (),
         progress_path: str = "",
-        poll_interval_s: float = 10.0,
+        poll_interval_s: float = ClusterConfig.poll_interval_s,
         reconnect_budget_s: float = 300.0,
         log_tail_lines: int = 40,
         runbook: str = DEFAULT_RUNBOOK,

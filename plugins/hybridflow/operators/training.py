@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hybridflow.config import NightlyConfig
 from hybridflow.exceptions import GateFailed
 from hybridflow.operators.slurm import SlurmSubmitOperator
 
@@ -81,7 +82,8 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
     template_fields_renderers = {**SlurmSubmitOperator.template_fields_renderers, "run_config": "json"}
 
     def __init__(self, *, run_config: Mapping[str, Any] | str, run_dir: str, python: str, jobs_dir: str,
-                 min_gpu_utilization_pct: float = 40.0, fail_on_low_utilization: bool = False, **kwargs):
+                 min_gpu_utilization_pct: float = NightlyConfig.min_gpu_utilization_pct,
+                 fail_on_low_utilization: bool = NightlyConfig.fail_on_low_utilization, **kwargs):
         # paths derived from run_dir move with it to a generation's directory; ones given explicitly stay
         paths_from_run_dir = {key for key in ("log_dir", "progress_path") if key not in kwargs}
         kwargs.setdefault("log_dir", f"{run_dir}/logs")

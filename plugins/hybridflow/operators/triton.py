@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink
 
+from hybridflow.config import ServingConfig
 from hybridflow.exceptions import ConfigError, ModelRolledBack, TritonError
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
     from airflow.sdk.types import TaskInstanceKey
 
-    from hybridflow.config import ServingConfig
     from hybridflow.hooks.model_repository import ModelRepository
     from hybridflow.hooks.triton import TritonHook
     from hybridflow.triggers.triton import TritonModelReadyTrigger
@@ -90,6 +90,9 @@ class TritonServingOperator(BaseOperator):
     :param instance_count: model instances per version; ``max_batch_size`` and ``max_queue_delay_us`` configure
         dynamic batching.
     :param readiness_timeout_s: how long a load may take before the version counts as failed.
+
+    Defaults are the pipeline config's (:class:`~hybridflow.config.ServingConfig`); :func:`serving_kwargs` passes
+    the configured values.
     """
 
     template_fields: Sequence[str] = ("model_name", "repository")
@@ -101,14 +104,14 @@ class TritonServingOperator(BaseOperator):
         *,
         model_name: str,
         repository: str,
-        triton_conn_id: str = "triton_default",
-        storage_conn_id: str = "storage_s3",
-        backend: str = "python",
-        instance_count: int = 1,
-        max_batch_size: int = 256,
-        max_queue_delay_us: int | None = 0,
+        triton_conn_id: str = ServingConfig.triton_conn_id,
+        storage_conn_id: str = ServingConfig.storage_conn_id,
+        backend: str = ServingConfig.backend,
+        instance_count: int = ServingConfig.instance_count,
+        max_batch_size: int = ServingConfig.max_batch_size,
+        max_queue_delay_us: int | None = ServingConfig.max_queue_delay_us,
         torch_threads: int = 1,
-        readiness_timeout_s: float = 300.0,
+        readiness_timeout_s: float = ServingConfig.readiness_timeout_s,
         poll_interval_s: float = 1.0,
         runbook: str = DEFAULT_RUNBOOK,
         **kwargs,
@@ -262,9 +265,9 @@ class TritonDeployOperator(TritonServingOperator):
         self,
         *,
         export_dir: str,
-        slo_p99_ms: float = 50.0,
-        concurrency: int = 4,
-        gate_requests: int = 400,
+        slo_p99_ms: float = ServingConfig.slo_p99_ms,
+        concurrency: int = ServingConfig.gate_concurrency,
+        gate_requests: int = ServingConfig.gate_requests,
         deferrable: bool = True,
         **kwargs,
     ):
@@ -278,7 +281,8 @@ class TritonDeployOperator(TritonServingOperator):
     def validate(self) -> None:
         self.validate_names()
         if not self.slo_p99_ms > 0:
-            raise ConfigError(f"slo_p99_ms is {self.slo_p99_ms}; give the p99 budget in milliseconds (default 50)")
+            raise ConfigError(f"slo_p99_ms is {self.slo_p99_ms}; give the p99 budget in milliseconds "
+                              f"(default {ServingConfig.slo_p99_ms:g})")
         for key in ("concurrency", "gate_requests"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from hybridflow.config import NightlyConfig, PreflightConfig
 from hybridflow.exceptions import GateFailed
 
 PREFLIGHT_RUNBOOK = "include/runbooks/preflight.md"
@@ -16,8 +17,10 @@ def topology_text(nodes: int, ranks_per_node: int) -> str:
     return f"{nodes} node(s) x {ranks_per_node} rank(s)"
 
 
-def preflight_verdict(result: Mapping | None, now: datetime, max_share: float = 0.20,
-                      max_age: timedelta = timedelta(days=8), topology: tuple[int, int] | None = None) -> str:
+def preflight_verdict(result: Mapping | None, now: datetime,
+                      max_share: float = PreflightConfig.max_allreduce_share,
+                      max_age: timedelta = timedelta(days=PreflightConfig.max_age_days),
+                      topology: tuple[int, int] | None = None) -> str:
     """
     Training may start only after a recent preflight of the same topology in which all-reducing the gradients
     took at most ``max_share`` of a step. Returns a one-line summary, or raises :class:`GateFailed` naming the
@@ -61,7 +64,7 @@ class UtilizationReport:
 
 
 def utilization_report(alloc_gpus: int | None, elapsed_s: float | None, gpu_summary: Mapping | None,
-                       min_utilization_pct: float = 40.0) -> UtilizationReport:
+                       min_utilization_pct: float = NightlyConfig.min_gpu_utilization_pct) -> UtilizationReport:
     """GPU-hours from the allocation (AllocTRES x Elapsed) and the mean utilization the job sampled.
 
     GPU-hours are None ("not measured", with the reason) when the allocation or the elapsed time is unknown:

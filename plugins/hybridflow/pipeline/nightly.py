@@ -3,7 +3,6 @@ the figures its report shows. The DAG's tasks feed them what they read; nothing 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import date, timedelta
@@ -53,11 +52,6 @@ def training_window(ds: str, window_days: int, published: Iterable[str]) -> list
     if ds not in chosen:
         raise ValueError(f"features/ds={ds} is not published: the features stage must run first")
     return chosen
-
-
-def run_key(run_id: str) -> str:
-    """A run id as one safe path segment (Airflow's contain ':' and '+')."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_.") or "run"
 
 
 def should_deploy(mode: str, promoted_version: int | None, champion_version: int | None,

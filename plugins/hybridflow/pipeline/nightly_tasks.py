@@ -10,18 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import PipelineConfig
+from hybridflow.config import PipelineConfig, model_preset_names
 from hybridflow.exceptions import HybridflowError
-from hybridflow.paths import include_dir, jobs_dir
+from hybridflow.paths import jobs_dir
 from hybridflow.pipeline import nightly, quality
 from hybridflow.pipeline.registry import ModelRegistry
 from hybridflow.utils.slurm_jobs import generation, generation_run_dir
-
-MODEL_PRESETS = include_dir() / "config" / "model_presets.json"
-
-
-def partition(config: PipelineConfig, dataset: str, ds: str) -> Path:
-    return Path(config.storage.root) / dataset / f"ds={ds}"
 
 
 def simulate_raw_events(config: PipelineConfig, ds: str) -> str:
@@ -35,15 +29,15 @@ def simulate_raw_events(config: PipelineConfig, ds: str) -> str:
 
 
 def raw_is_published(config: PipelineConfig, ds: str) -> bool:
-    return (partition(config, "raw", ds) / "_SUCCESS").is_file()
+    return (Path(config.storage.layout.partition("raw", ds)) / "_SUCCESS").is_file()
 
 
 def quality_gate(config: PipelineConfig, ds: str) -> dict[str, Any]:
     """The data quality gate on features/ds=<ds> against the previous published partition."""
-    features = Path(config.storage.root) / "features"
-    manifest = quality.load_manifest(features / f"ds={ds}")
-    before = quality.previous_ds(quality.published_ds(features), ds)
-    previous = quality.load_manifest(features / f"ds={before}") if before else None
+    layout = config.storage.layout
+    manifest = quality.load_manifest(layout.partition("features", ds))
+    before = quality.previous_ds(quality.published_ds(layout.dataset("features")), ds)
+    previous = quality.load_manifest(layout.partition("features", before)) if before else None
     results = quality.gate(manifest, previous, quality.load_contract())
     return {"summary": quality.summary(results), "compared_with": before,
             "checks": [r.as_dict() for r in results],
@@ -52,21 +46,20 @@ def quality_gate(config: PipelineConfig, ds: str) -> dict[str, Any]:
 
 def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[str, Any]) -> dict[str, Any]:
     """The run directory, the training window and the run config the job reads; the champion to beat."""
-    presets = json.loads(MODEL_PRESETS.read_text())["presets"]
+    presets = model_preset_names()
     if params["model_preset"] not in presets:
         raise HybridflowError(f"param model_preset={params['model_preset']!r}: choose one of {sorted(presets)}")
     window = nightly.training_window(ds, params["train_window_days"],
-                                     quality.published_ds(Path(config.storage.root) / "features"))
+                                     quality.published_ds(config.storage.layout.dataset("features")))
     # retrain=N: generation N's own fresh run directory (the train and evaluate job names carry N too)
     retrain = generation(params.get("retrain", 0))
-    run_dir = generation_run_dir(f"{config.storage.root}/runs/nightly_training/ds={ds}/{nightly.run_key(run_id)}",
-                                 retrain)
+    run_dir = generation_run_dir(config.storage.layout.training_run_dir(ds, run_id), retrain)
     code = Path(config.cluster.jobs_dir).parent
     cfg = config.nightly
     run_config = {
         "run_id": run_id,
         "labels": {"dag_id": "nightly_training", "ds": ds, "retrain": retrain},
-        "features_root": f"{config.storage.root}/features",
+        "features_root": config.storage.layout.dataset("features"),
         "ds": window,
         "model": {"preset": params["model_preset"]},
         "epochs": params["epochs"],
@@ -134,6 +127,6 @@ def model_of_record(config: PipelineConfig) -> dict[str, Any]:
 
 
 def scoring_figures(config: PipelineConfig, ds: str) -> dict[str, Any] | None:
-    path = partition(config, "predictions", ds) / "_MANIFEST.json"
+    path = Path(config.storage.layout.partition("predictions", ds)) / "_MANIFEST.json"
     manifest = json.loads(path.read_text()) if path.is_file() else None
     return nightly.scoring_figures(manifest, config.spark.executor_cores)

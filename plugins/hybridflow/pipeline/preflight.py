@@ -10,11 +10,6 @@ from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.pipeline.gates import preflight_verdict
 
 
-def preflight_result_path(config: PipelineConfig, nodes: int | str, ranks_per_node: int | str) -> str:
-    """One result per topology, so measuring 2 nodes x 1 rank never replaces the 1 x 2 figures."""
-    return f"{config.storage.root}/runs/preflight/{nodes}x{ranks_per_node}/latest.json"
-
-
 def check_latest_preflight(config: PipelineConfig, nodes: int, ranks_per_node: int) -> str:
     """Raise GateFailed unless the newest preflight of this topology is recent and under the share limit.
 
@@ -24,7 +19,7 @@ def check_latest_preflight(config: PipelineConfig, nodes: int, ranks_per_node: i
         return "one rank: training all-reduces no gradients, so there is no interconnect to gate"
     hook = SlurmHook(config.cluster.ssh_conn_id)
     try:
-        text = hook.read_text(preflight_result_path(config, nodes, ranks_per_node))
+        text = hook.read_text(config.storage.layout.preflight_result(nodes, ranks_per_node))
     finally:
         hook.close()
     return preflight_verdict(

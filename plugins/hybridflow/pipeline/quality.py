@@ -2,9 +2,9 @@
 
 Inputs: the manifest of the new partition (written by ``jobs/build_features.py``), the manifest of the
 previous published partition (optional), and the declared contract from ``include/config/features.json``
-(schema with types and roles, thresholds). Each check returns :class:`CheckResult` rows; :func:`enforce`
-raises :class:`~hybridflow.exceptions.DataQualityError` naming every failed check, its column, observed and
-expected values, and the runbook.
+(schema with types and roles, thresholds; validated the way hybridflow.config validates every config file).
+Each check returns :class:`CheckResult` rows; :func:`enforce` raises :class:`~hybridflow.exceptions.DataQualityError`
+naming every failed check, its column, observed and expected values, and the runbook.
 
 Manifest keys read: ``ds``, ``row_count``, ``columns`` ([{name, type}]), ``feature_columns``,
 ``null_ratio`` ({column: ratio}), ``nan_ratio`` ({feature: ratio}), ``label_rate``, ``quarantine``
@@ -14,19 +14,20 @@ Manifest keys read: ``ds``, ``row_count``, ``columns`` ([{name, type}]), ``featu
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from hybridflow.config import build, check_integer, check_mapping, check_number
 from hybridflow.exceptions import ConfigError, DataQualityError
 from hybridflow.paths import include_dir
 
 RUNBOOK = "include/runbooks/data-quality.md"
 CONTRACT_FILE = "config/features.json"
 ROLES = ("key", "label", "feature")
+FEATURE_TYPES = ("float32", "float64")  # model inputs
 TYPES = ("string", "int8", "int16", "int32", "int64", "float32", "float64", "bool", "date", "timestamp",
          "binary")
 REQUIRED_MANIFEST_KEYS = ("ds", "row_count", "columns", "feature_columns", "null_ratio", "quarantine")
@@ -44,6 +45,15 @@ class ColumnSpec:
     type: str
     role: str
 
+    def validate(self, where: str) -> None:
+        if self.type not in TYPES:
+            raise ConfigError(f"{where}.type: {self.type!r} (column {self.name}); expected one of {', '.join(TYPES)}")
+        if self.role not in ROLES:
+            raise ConfigError(f"{where}.role: {self.role!r} (column {self.name}); expected one of {', '.join(ROLES)}")
+        if self.role == "feature" and self.type not in FEATURE_TYPES:
+            raise ConfigError(f"{where}.type: {self.type!r} (column {self.name}); a feature (a model input) is "
+                              f"{' or '.join(FEATURE_TYPES)}")
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -60,6 +70,11 @@ class Thresholds:
     def null_limit(self, column: str) -> float:
         return self.max_null_ratio_per_column.get(column, self.max_null_ratio)
 
+    def validate(self, where: str) -> None:
+        if self.min_row_ratio > self.max_row_ratio:
+            raise ConfigError(f"{where}.row_count_change.min_ratio: {self.min_row_ratio:g}; expected at most "
+                              f"max_ratio ({self.max_row_ratio:g})")
+
 
 @dataclass(frozen=True)
 class FeatureContract:
@@ -74,6 +89,20 @@ class FeatureContract:
     @property
     def types(self) -> dict[str, str]:
         return {c.name: c.type for c in self.columns}
+
+    def validate(self) -> None:
+        """What no one column or threshold shows: each column listed once, a model input, per-column limits only
+        for declared columns."""
+        names = [c.name for c in self.columns]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(f"schema: {', '.join(duplicates)} more than once; list each column once")
+        if not self.feature_columns:
+            raise ConfigError("schema: no column with role 'feature'; declare the model inputs")
+        unknown = sorted(set(self.thresholds.max_null_ratio_per_column) - set(names))
+        if unknown:
+            raise ConfigError(f"thresholds.max_null_ratio.per_column: {', '.join(unknown)}; name only columns "
+                              "the schema declares")
 
 
 @dataclass(frozen=True)
@@ -103,70 +132,47 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def _ratio(value: Any, key: str, source: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or math.isnan(value):
-        raise ConfigError(f"{source}: {key} must be a number >= 0, got {value!r}")
-    return float(value)
-
-
 def parse_contract(data: Mapping[str, Any], source: str = "<memory>") -> FeatureContract:
-    """The declared features contract; ConfigError names the file, the key and what is wrong."""
-    schema = data.get("schema")
-    if not isinstance(schema, list) or not schema:
-        raise ConfigError(f"{source}: 'schema' must be a non-empty list of {{name, type, role}}")
-    columns: list[ColumnSpec] = []
-    for i, entry in enumerate(schema):
-        if not isinstance(entry, Mapping) or set(entry) != {"name", "type", "role"}:
-            raise ConfigError(f"{source}: schema[{i}] must have exactly the keys name, type, role; "
-                              f"got {entry!r}")
-        if entry["type"] not in TYPES:
-            raise ConfigError(f"{source}: schema[{i}] ({entry['name']}) type {entry['type']!r}: use one of "
-                              f"{', '.join(TYPES)}")
-        if entry["role"] not in ROLES:
-            raise ConfigError(f"{source}: schema[{i}] ({entry['name']}) role {entry['role']!r}: use one of "
-                              f"{', '.join(ROLES)}")
-        if entry["role"] == "feature" and entry["type"] not in ("float32", "float64"):
-            raise ConfigError(f"{source}: schema[{i}] ({entry['name']}): model inputs are float32 or float64")
-        columns.append(ColumnSpec(entry["name"], entry["type"], entry["role"]))
-    names = [c.name for c in columns]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigError(f"{source}: schema lists {', '.join(duplicates)} more than once")
-    if not any(c.role == "feature" for c in columns):
-        raise ConfigError(f"{source}: schema declares no column with role 'feature'")
+    """The declared features contract; ConfigError names the file, the key, the value and what to do (the style of
+    hybridflow.config). Keys other than ``schema`` and ``thresholds`` are left to their readers."""
+    try:
+        schema = data.get("schema")
+        if not isinstance(schema, list) or not schema:
+            raise ConfigError(f"schema: {schema!r}; expected a non-empty list of {{name, type, role}}")
+        columns = tuple(build(ColumnSpec, entry, f"schema[{i}]") for i, entry in enumerate(schema))
+        contract = FeatureContract(columns, parse_thresholds(data.get("thresholds", {})), source)
+        contract.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return contract
 
-    raw = data.get("thresholds", {})
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{source}: 'thresholds' must be an object")
-    change = raw.get("row_count_change", {})
-    nulls = raw.get("max_null_ratio", {})
-    label = raw.get("label_rate", {})
-    per_column = {k: _ratio(v, f"thresholds.max_null_ratio.per_column.{k}", source)
-                  for k, v in nulls.get("per_column", {}).items()}
-    unknown = sorted(set(per_column) - set(names))
-    if unknown:
-        raise ConfigError(f"{source}: thresholds.max_null_ratio.per_column names {', '.join(unknown)}, "
-                          "which the schema does not declare")
-    min_rows = raw.get("min_rows", 1)
-    if not isinstance(min_rows, int) or isinstance(min_rows, bool) or min_rows < 0:
-        raise ConfigError(f"{source}: thresholds.min_rows must be an integer >= 0, got {min_rows!r}")
+
+def parse_thresholds(raw: Any, where: str = "thresholds") -> Thresholds:
+    """The ``thresholds`` object; a key it leaves out keeps the :class:`Thresholds` default."""
+    raw = check_mapping(raw, where)
+    change = check_mapping(raw.get("row_count_change", {}), f"{where}.row_count_change")
+    nulls = check_mapping(raw.get("max_null_ratio", {}), f"{where}.max_null_ratio")
+    per_column = check_mapping(nulls.get("per_column", {}), f"{where}.max_null_ratio.per_column")
+    label = check_mapping(raw.get("label_rate", {}), f"{where}.label_rate")
+
+    def ratio(value: Any, key: str) -> float:
+        return check_number(value, f"{where}.{key}", minimum=0, finite=False)
+
     thresholds = Thresholds(
-        min_rows=min_rows,
-        min_row_ratio=_ratio(change.get("min_ratio", 0.5), "thresholds.row_count_change.min_ratio", source),
-        max_row_ratio=_ratio(change.get("max_ratio", 2.0), "thresholds.row_count_change.max_ratio", source),
-        max_null_ratio=_ratio(nulls.get("default", 0.0), "thresholds.max_null_ratio.default", source),
-        max_null_ratio_per_column=per_column,
-        max_nan_ratio=_ratio(raw.get("max_nan_ratio", 0.0), "thresholds.max_nan_ratio", source),
-        max_quarantine_ratio=_ratio(raw.get("max_quarantine_ratio", 0.05), "thresholds.max_quarantine_ratio",
-                                    source),
-        min_label_rate=None if label.get("min") is None else _ratio(label["min"], "thresholds.label_rate.min",
-                                                                    source),
-        max_label_rate=None if label.get("max") is None else _ratio(label["max"], "thresholds.label_rate.max",
-                                                                    source),
+        min_rows=check_integer(raw.get("min_rows", Thresholds.min_rows), f"{where}.min_rows", 0),
+        min_row_ratio=ratio(change.get("min_ratio", Thresholds.min_row_ratio), "row_count_change.min_ratio"),
+        max_row_ratio=ratio(change.get("max_ratio", Thresholds.max_row_ratio), "row_count_change.max_ratio"),
+        max_null_ratio=ratio(nulls.get("default", Thresholds.max_null_ratio), "max_null_ratio.default"),
+        max_null_ratio_per_column={column: ratio(value, f"max_null_ratio.per_column.{column}")
+                                   for column, value in per_column.items()},
+        max_nan_ratio=ratio(raw.get("max_nan_ratio", Thresholds.max_nan_ratio), "max_nan_ratio"),
+        max_quarantine_ratio=ratio(raw.get("max_quarantine_ratio", Thresholds.max_quarantine_ratio),
+                                   "max_quarantine_ratio"),
+        min_label_rate=None if label.get("min") is None else ratio(label["min"], "label_rate.min"),
+        max_label_rate=None if label.get("max") is None else ratio(label["max"], "label_rate.max"),
     )
-    if thresholds.min_row_ratio > thresholds.max_row_ratio:
-        raise ConfigError(f"{source}: thresholds.row_count_change.min_ratio is above max_ratio")
-    return FeatureContract(columns=tuple(columns), thresholds=thresholds, source=source)
+    thresholds.validate(where)
+    return thresholds
 
 
 def load_contract(path: str | Path | None = None) -> FeatureContract:

@@ -20,7 +20,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from hybridflow.atomic import staged_dir, write_json_atomic
 from hybridflow.exceptions import HybridflowError
+from hybridflow.layout import StorageLayout
 
 EXPORT_FILES = ("model.pt", "signature.json", "smoke.json")
 
@@ -40,8 +42,9 @@ def file_sha256(path: Path) -> str:
 class ModelRegistry:
     def __init__(self, storage_root: str, model_name: str):
         self.model_name = model_name
-        self.root = Path(storage_root) / "models" / model_name
-        self.registry_path = self.root / "registry.json"
+        layout = StorageLayout(storage_root)
+        self.root = Path(layout.model_dir(model_name))
+        self.registry_path = Path(layout.model_registry(model_name))
 
     def read(self) -> dict[str, Any]:
         try:
@@ -84,9 +87,6 @@ class ModelRegistry:
                     return record  # a retry of a promotion that already happened
             version = 1 + max((r["version"] for r in registry["history"]), default=0)
             target = self.version_dir(version)
-            staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.copytree(export, staging)
             record = {
                 **details,
                 "version": version,
@@ -96,15 +96,14 @@ class ModelRegistry:
                 "sha256": sha256,
                 "promoted_at": datetime.now(UTC).isoformat(timespec="seconds"),
             }
-            (staging / "promotion.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-            os.chmod(staging, 0o755)
-            staging.rename(target)
+            with staged_dir(target, replace=False) as staging:  # a version directory is never overwritten
+                shutil.copytree(export, staging, dirs_exist_ok=True)
+                (staging / "promotion.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+                os.chmod(staging, 0o755)
             registry["champion"] = record
             registry["history"].append(record)
             self._write(registry)
             return record
 
     def _write(self, registry: Mapping[str, Any]) -> None:
-        tmp = self.registry_path.with_name(f".registry.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(registry, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.registry_path)
+        write_json_atomic(self.registry_path, registry, sort_keys=True)

@@ -18,27 +18,22 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
-import re
-import shutil
-import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import CostConfig
+from hybridflow.atomic import staged_dir
+from hybridflow.config import CostConfig, ServingConfig
 from hybridflow.exceptions import ConfigError
 
 REPORT_FORMAT_VERSION = 1
-DEFAULT_P99_SLO_MS = 50.0
+DEFAULT_P99_SLO_MS = ServingConfig.slo_p99_ms
 MAX_TEXT_CHARS = 200
 MAX_CHECKS = 200
 JSON_NAME = "report.json"
 HTML_NAME = "report.html"
 NOT_MEASURED = "not measured"
-STALE_STAGING_S = 3600
 
 
 @dataclass(frozen=True)
@@ -631,26 +626,6 @@ def _checks_table(checks: Sequence[Mapping]) -> str:
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
-SAFE_PATH_PART = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def report_dir_for(root: str | os.PathLike, dag_id: str, run_id: str) -> Path:
-    """``<root>/reports/<dag_id>/<run_id>``, characters unsafe in a path (``:``, ``+``, ``/``) replaced."""
-    parts = [SAFE_PATH_PART.sub("_", part).strip(".") or "_" for part in (dag_id, run_id)]
-    return Path(root) / "reports" / parts[0] / parts[1]
-
-
-def _remove_stale_staging(report_dir: Path) -> None:
-    """Leftovers of crashed writers of this report; recent ones may belong to a writer still running."""
-    now = time.time()
-    for leftover in report_dir.parent.glob(f".{report_dir.name}.*"):
-        try:
-            if now - leftover.stat().st_mtime > STALE_STAGING_S:
-                shutil.rmtree(leftover, ignore_errors=True)
-        except FileNotFoundError:
-            pass
-
-
 def write_report(report_dir: Path, figures: Mapping[str, Any], prices: CostConfig, *,
                  p99_slo_ms: float = DEFAULT_P99_SLO_MS) -> dict[str, Any]:
     """
@@ -662,34 +637,11 @@ def write_report(report_dir: Path, figures: Mapping[str, Any], prices: CostConfi
     :return: ``{"dir", "json", "html", "charts": [...], "not_measured": [...]}`` (paths as strings).
     """
     report_dir = Path(report_dir)
-    report_dir.parent.mkdir(parents=True, exist_ok=True)
     report = build_report(figures, prices, p99_slo_ms=p99_slo_ms)
-    _remove_stale_staging(report_dir)
-    token = uuid.uuid4().hex[:12]
-    staging = report_dir.parent / f".{report_dir.name}.staging-{token}"
-    staging.mkdir()
-    try:
+    with staged_dir(report_dir) as staging:
         charts = render_charts(report, staging)
         (staging / JSON_NAME).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
         (staging / HTML_NAME).write_text(render_html(report, [chart.name for chart in charts]))
-        for path in staging.iterdir():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-        retired = report_dir.parent / f".{report_dir.name}.retired-{token}"
-        had_previous = report_dir.exists()
-        if had_previous:
-            os.rename(report_dir, retired)
-        try:
-            os.rename(staging, report_dir)
-        except OSError:
-            if had_previous:
-                os.rename(retired, report_dir)
-            raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if had_previous:
-        shutil.rmtree(retired, ignore_errors=True)
     return {
         "dir": str(report_dir),
         "json": str(report_dir / JSON_NAME),

@@ -18,7 +18,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import read_yaml
+from hybridflow.config import (
+    build,
+    check_integer,
+    check_keys,
+    check_mapping,
+    check_number,
+    check_one_of,
+    check_text,
+    read_yaml,
+)
 from hybridflow.exceptions import ConfigError, WorkloadSpecError
 from hybridflow.paths import include_dir
 
@@ -35,7 +44,6 @@ __all__ = [
     "plan_job",
     "route",
     "routing_rules",
-    "run_dir_for",
 ]
 
 SIDES = ("cpu", "gpu")
@@ -158,10 +166,32 @@ class JobTemplate:
 
 @dataclass(frozen=True)
 class SlurmTarget:
+    """The partition a Slurm target submits to and the shape of its jobs."""
+
     partition: str
     gpus_per_node: int
     cpus_per_task: int
     time_limit_min: int
+
+    def validate(self, where: str) -> None:
+        check_text(self.partition, f"{where}.partition", SLURM_NAME)
+        check_integer(self.gpus_per_node, f"{where}.gpus_per_node", 0)
+        check_integer(self.cpus_per_task, f"{where}.cpus_per_task", 1)
+        check_integer(self.time_limit_min, f"{where}.time_limit_min", 1)
+
+
+@dataclass(frozen=True)
+class SlurmTargets:
+    """``routing.targets``: the CPU and the GPU partition."""
+
+    slurm_cpu: SlurmTarget
+    slurm_gpu: SlurmTarget
+
+    def validate(self, where: str) -> None:
+        for name in SLURM_TARGETS:
+            gpus = getattr(self, name).gpus_per_node
+            if (gpus > 0) != (name == "slurm_gpu"):
+                raise ConfigError(f"{where}.{name}.gpus_per_node: {gpus}; slurm_gpu needs GPUs, slurm_cpu none")
 
 
 @dataclass(frozen=True)
@@ -189,40 +219,8 @@ class RoutingRules:
         return tuple(self.workloads)
 
 
-def _mapping(data: Any, where: str) -> Mapping:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-    return data
-
-
-def _keys(data: Mapping, where: str, required: set[str], optional: set[str] = frozenset()) -> None:
-    missing, unknown = sorted(required - set(data)), sorted(set(data) - required - set(optional))
-    if missing:
-        raise ConfigError(f"{where}: missing key(s) {', '.join(missing)}")
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}; "
-                          f"expected {', '.join(sorted(required | set(optional)))}")
-
-
-def _text(data: Mapping, key: str, where: str, pattern: re.Pattern | None = None) -> str:
-    value = data.get(key)
-    if not isinstance(value, str) or not value.strip() or (pattern and not pattern.fullmatch(value)):
-        expected = f"text matching {pattern.pattern}" if pattern else "non-empty text"
-        raise ConfigError(f"{where}.{key}: {value!r}; expected {expected}")
-    return value
-
-
-def _integer(data: Mapping, key: str, where: str, minimum: int) -> int:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}.{key}: {value!r}; expected an integer >= {minimum}")
-    return value
-
-
 def _placement(data: Mapping, where: str) -> tuple[str, str]:
-    side, target = data.get("side"), data.get("target")
-    if target not in TARGET_SIDES:
-        raise ConfigError(f"{where}.target: {target!r}; expected one of {', '.join(TARGET_SIDES)}")
+    side, target = data.get("side"), check_one_of(data.get("target"), TARGET_SIDES, f"{where}.target")
     if side not in TARGET_SIDES[target]:
         sides = " or ".join(TARGET_SIDES[target])
         raise ConfigError(f"{where}.side: {side!r}; target {target} runs on {sides}")
@@ -230,19 +228,17 @@ def _placement(data: Mapping, where: str) -> tuple[str, str]:
 
 
 def _field_rule(name: str, data: Any, where: str) -> FieldRule:
-    data = _mapping(data, where)
+    data = check_mapping(data, where)
     if not NAME.fullmatch(str(name)) or name in SYSTEM_FIELDS:
         raise ConfigError(f"{where}: field name {name!r} must match {NAME.pattern} and not be one of "
                           f"{', '.join(SYSTEM_FIELDS)}")
-    _keys(data, where, {"type", "description"}, {"default", "minimum", "maximum", "pattern"})
-    kind = data["type"]
-    if kind not in FIELD_TYPES:
-        raise ConfigError(f"{where}.type: {kind!r}; expected one of {', '.join(FIELD_TYPES)}")
+    check_keys(data, where, {"type", "description"}, {"default", "minimum", "maximum", "pattern"})
+    kind = check_one_of(data["type"], FIELD_TYPES, f"{where}.type")
     if kind == "integer" and not {"minimum", "maximum"} <= set(data):
         raise ConfigError(f"{where}: an integer field needs minimum and maximum")
     if kind == "string":
         try:
-            re.compile(_text(data, "pattern", where))
+            re.compile(check_text(data.get("pattern"), f"{where}.pattern"))
         except re.error as exc:
             raise ConfigError(f"{where}.pattern: {data['pattern']!r} is not a regular expression: {exc}") \
                 from None
@@ -250,7 +246,7 @@ def _field_rule(name: str, data: Any, where: str) -> FieldRule:
         raise ConfigError(f"{where}.pattern: only string fields take a pattern")
     if kind != "integer" and {"minimum", "maximum"} & set(data):
         raise ConfigError(f"{where}: only integer fields take minimum and maximum")
-    rule = FieldRule(name=name, type=kind, description=_text(data, "description", where),
+    rule = FieldRule(name=name, type=kind, description=check_text(data["description"], f"{where}.description"),
                      default=data.get("default"), minimum=data.get("minimum"), maximum=data.get("maximum"),
                      pattern=data.get("pattern"))
     if rule.default is not None:
@@ -265,38 +261,36 @@ def _condition(metric: str, data: Any, where: str) -> Condition:
     if metric not in PROFILE_METRICS:
         raise ConfigError(f"{where}: unknown profile figure {metric!r}; "
                           f"expected one of {', '.join(PROFILE_METRICS)}")
-    data = _mapping(data, where)
+    data = check_mapping(data, where)
     if len(data) != 1:
         raise ConfigError(f"{where}: expected exactly one operator ({', '.join(OPERATORS)}), "
                           f"got {dict(data)!r}")
     ((operator, threshold),) = data.items()
     if operator not in OPERATORS:
         raise ConfigError(f"{where}: unknown operator {operator!r}; use {', '.join(OPERATORS)}")
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):
-        raise ConfigError(f"{where}.{operator}: {threshold!r}; expected a number")
-    return Condition(metric, operator, float(threshold))
+    return Condition(metric, operator, check_number(threshold, f"{where}.{operator}"))
 
 
 def _rule(data: Any, where: str) -> Rule:
-    data = _mapping(data, where)
-    _keys(data, where, {"name", "why", "when", "side", "target"})
-    when = _mapping(data["when"], f"{where}.when")
+    data = check_mapping(data, where)
+    check_keys(data, where, {"name", "why", "when", "side", "target"})
+    when = check_mapping(data["when"], f"{where}.when")
     if not when:
         raise ConfigError(f"{where}.when: a rule needs at least one condition")
     side, target = _placement(data, where)
     conditions = tuple(_condition(metric, spec, f"{where}.when.{metric}") for metric, spec in when.items())
-    return Rule(name=_text(data, "name", where, RULE_NAME), why=_text(data, "why", where), side=side,
-                target=target, conditions=conditions)
+    return Rule(name=check_text(data["name"], f"{where}.name", RULE_NAME),
+                why=check_text(data["why"], f"{where}.why"), side=side, target=target, conditions=conditions)
 
 
 def _job(target: str, data: Any, where: str, fields_: Mapping[str, FieldRule]) -> JobTemplate:
-    data = _mapping(data, where)
+    data = check_mapping(data, where)
     if target == "spark":
-        _keys(data, where, {"application", "args"})
-        job = JobTemplate(application=_text(data, "application", where, SPARK_APPLICATION),
+        check_keys(data, where, {"application", "args"})
+        job = JobTemplate(application=check_text(data["application"], f"{where}.application", SPARK_APPLICATION),
                           args=_argv(data["args"], f"{where}.args", allow_empty=True))
     else:
-        _keys(data, where, {"command"})
+        check_keys(data, where, {"command"})
         job = JobTemplate(command=_argv(data["command"], f"{where}.command", allow_empty=False))
     unknown = sorted(job.placeholders - set(fields_) - set(SYSTEM_FIELDS))
     if unknown:
@@ -319,16 +313,16 @@ def _needs(job: JobTemplate, fields_: Mapping[str, FieldRule]) -> set[str]:
 
 
 def _workload(name: str, data: Any, where: str) -> WorkloadRules:
-    data = _mapping(data, where)
-    _keys(data, where, {"description", "default", "rules", "fields", "jobs"})
-    side, target = _placement(_mapping(data["default"], f"{where}.default"), f"{where}.default")
+    data = check_mapping(data, where)
+    check_keys(data, where, {"description", "default", "rules", "fields", "jobs"})
+    side, target = _placement(check_mapping(data["default"], f"{where}.default"), f"{where}.default")
     if not isinstance(data["rules"], list):
         raise ConfigError(f"{where}.rules: expected a list")
     rules = tuple(_rule(r, f"{where}.rules[{i}]") for i, r in enumerate(data["rules"]))
     fields_ = {name: _field_rule(name, spec, f"{where}.fields.{name}")
-               for name, spec in _mapping(data["fields"], f"{where}.fields").items()}
+               for name, spec in check_mapping(data["fields"], f"{where}.fields").items()}
     jobs = {}
-    for job_target, variants in _mapping(data["jobs"], f"{where}.jobs").items():
+    for job_target, variants in check_mapping(data["jobs"], f"{where}.jobs").items():
         if job_target not in TARGET_SIDES or job_target == "triton":
             raise ConfigError(f"{where}.jobs.{job_target}: expected one of spark, {', '.join(SLURM_TARGETS)} "
                               "(Triton serving is deployed by nightly_training)")
@@ -336,8 +330,8 @@ def _workload(name: str, data: Any, where: str) -> WorkloadRules:
             raise ConfigError(f"{where}.jobs.{job_target}: expected a non-empty list of job variants")
         jobs[job_target] = tuple(_job(job_target, v, f"{where}.jobs.{job_target}[{i}]", fields_)
                                  for i, v in enumerate(variants))
-    workload = WorkloadRules(name=name, description=_text(data, "description", where), default_side=side,
-                             default_target=target, rules=rules, fields=fields_, jobs=jobs)
+    workload = WorkloadRules(name=name, description=check_text(data["description"], f"{where}.description"),
+                             default_side=side, default_target=target, rules=rules, fields=fields_, jobs=jobs)
     for reachable in sorted(workload.targets() - {"triton"}):
         variants = jobs.get(reachable, ())
         if not any(not _needs(v, fields_) for v in variants):
@@ -347,29 +341,14 @@ def _workload(name: str, data: Any, where: str) -> WorkloadRules:
     return workload
 
 
-def _slurm_target(name: str, data: Any, where: str) -> SlurmTarget:
-    data = _mapping(data, where)
-    _keys(data, where, {"partition", "gpus_per_node", "cpus_per_task", "time_limit_min"})
-    target = SlurmTarget(partition=_text(data, "partition", where, SLURM_NAME),
-                         gpus_per_node=_integer(data, "gpus_per_node", where, 0),
-                         cpus_per_task=_integer(data, "cpus_per_task", where, 1),
-                         time_limit_min=_integer(data, "time_limit_min", where, 1))
-    if (target.gpus_per_node > 0) != (name == "slurm_gpu"):
-        raise ConfigError(f"{where}.gpus_per_node: {target.gpus_per_node}; slurm_gpu needs GPUs, "
-                          "slurm_cpu none")
-    return target
-
-
 def parse_routing_rules(data: Any, source: str = "routing rules") -> RoutingRules:
-    """The rules from their parsed YAML/JSON; a :class:`ConfigError` names ``source`` and the key."""
+    """The rules from their parsed YAML/JSON; a :class:`ConfigError` names ``source`` and the key (the style of
+    hybridflow.config: typed records built with its ``build``, the sections keyed by name read with its checks)."""
     try:
-        data = _mapping(data, "routing")
-        _keys(data, "routing", {"targets", "workloads"})
-        targets = _mapping(data["targets"], "routing.targets")
-        _keys(targets, "routing.targets", set(SLURM_TARGETS))
-        slurm = {name: _slurm_target(name, targets[name], f"routing.targets.{name}")
-                 for name in SLURM_TARGETS}
-        workloads = _mapping(data["workloads"], "routing.workloads")
+        check_keys(check_mapping(data, "routing"), "routing", {"targets", "workloads"})
+        targets = build(SlurmTargets, data["targets"], "routing.targets")
+        slurm = {name: getattr(targets, name) for name in SLURM_TARGETS}
+        workloads = check_mapping(data["workloads"], "routing.workloads")
         if not workloads:
             raise ConfigError("routing.workloads: no workload types defined")
         for name in workloads:
@@ -518,11 +497,6 @@ def plan_job(decision: RouteDecision, rules: RoutingRules,
     return PlannedJob(target=decision.target, application=job.application,
                       args=tuple(_fill(a, values) for a in job.args),
                       command=tuple(_fill(a, values) for a in job.command))
-
-
-def run_dir_for(storage_root: str, run_id: str) -> str:
-    """Where a router run's job writes its log and result: one directory per DAG run, a path-safe name."""
-    return f"{storage_root}/runs/router/{re.sub(r'[^A-Za-z0-9._-]+', '_', run_id)}"
 
 
 SERVER_SIDE = {"python": "cpu", "pytorch_libtorch": "gpu"}  # where Triton runs a backend's model instances

@@ -11,6 +11,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from hybridflow.config import ClusterConfig
 from hybridflow.exceptions import SlurmConnectionError, SlurmConnectionLost
 from hybridflow.hooks.slurm import SlurmAsyncHook
 from hybridflow.utils.progress import describe_progress
@@ -39,8 +40,8 @@ class SlurmJobTrigger(BaseTrigger):
         job_id: str,
         ssh_conn_id: str,
         requeue_enabled: bool = True,
-        max_requeues: int = 3,
-        poll_interval_s: float = 10.0,
+        max_requeues: int = ClusterConfig.max_requeues,
+        poll_interval_s: float = ClusterConfig.poll_interval_s,
         min_poll_interval_s: float = 1.0,
         reconnect_budget_s: float = 300.0,
         progress_path: str = "",

@@ -332,6 +332,8 @@ def deterministic_job_name(dag_id: str, task_id: str, run_id: str, prefix: str =
             f"Job name prefix {prefix!r} is invalid: use letters, digits, '.', '_' and '-' only"
         )
     digest = hashlib.sha256(json.dumps([dag_id, task_id, run_id]).encode()).hexdigest()
+    # A Slurm name, not a path, so not layout.safe_segment: a change to path rules must never rename the jobs
+    # that retries find by name.
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{prefix}-{dag_id}-{task_id}-{run_id}")
     readable = readable[: JOB_NAME_MAX_LENGTH - _JOB_NAME_DIGEST_LENGTH - 1]
     return f"{readable}-{digest[:_JOB_NAME_DIGEST_LENGTH]}"

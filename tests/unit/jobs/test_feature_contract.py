@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from hybridjobs import features, generator, storage
+from hybridjobs.spark import MANIFEST_TYPES, package_zip
 
 REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "jobs"))
-from hybridjobs import features, generator, storage  # noqa: E402
-from hybridjobs.spark import MANIFEST_TYPES, package_zip  # noqa: E402
 
 CONTRACT = json.loads((REPO / "include" / "config" / "features.json").read_text())
 

@@ -15,10 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hybridjobs import local_scoring, predictions, storage
 
 JOBS = Path(__file__).resolve().parents[3] / "jobs"
-sys.path.insert(0, str(JOBS))
-from hybridjobs import local_scoring, predictions, storage  # noqa: E402
 
 DS = "2026-01-05"
 # The manifest's order is neither the files' order (reversed below) nor alphabetical.

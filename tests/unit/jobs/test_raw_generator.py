@@ -5,18 +5,14 @@ Spark."""
 from __future__ import annotations
 
 import math
-import sys
 from datetime import UTC, datetime
-from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-from hybridjobs import generator  # noqa: E402
-from hybridjobs.generator import DEFECT_KINDS, GeneratorConfig  # noqa: E402
+from hybridjobs import generator
+from hybridjobs.generator import DEFECT_KINDS, GeneratorConfig
 
 DS = "2026-01-05"
 

@@ -3,7 +3,6 @@ mapInArrow body (a task's predictions file), the per-worker model cache, the che
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-from hybridjobs import scoring, storage  # noqa: E402
+from hybridjobs import scoring, storage
 
 
 def save_model(path: Path, n_features: int, out_features: int = 1) -> torch.nn.Module:

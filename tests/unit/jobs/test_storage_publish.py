@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-from hybridjobs import storage  # noqa: E402
+from hybridjobs import storage
 
 
 @pytest.mark.parametrize("ds, ok", [

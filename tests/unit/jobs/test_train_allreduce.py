@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-
-from hybridtrain.allreduce import METHOD, is_sample_step, summarise_allreduce  # noqa: E402
+from hybridtrain.allreduce import METHOD, is_sample_step, summarise_allreduce
 
 
 @pytest.mark.parametrize(

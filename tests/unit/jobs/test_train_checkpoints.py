@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "jobs"))
-
-from hybridtrain.checkpoints import (  # noqa: E402
+from hybridtrain.checkpoints import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     build_manifest,
@@ -26,7 +21,7 @@ from hybridtrain.checkpoints import (  # noqa: E402
     write_json_atomic,
     write_manifest,
 )
-from hybridtrain.errors import CheckpointError, ExitCode  # noqa: E402
+from hybridtrain.errors import CheckpointError, ExitCode
 
 FILES = {
     "mp_rank_00_model_states.pt": b"model" * 100,

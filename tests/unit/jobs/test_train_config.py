@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import ast
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "jobs"))
-
-from hybridtrain.config import (  # noqa: E402
+from hybridtrain.config import (
     _KNOWN_KEYS,
     DEFAULT_MODEL_PRESETS_PATH,
     ModelSpec,
@@ -20,8 +15,9 @@ from hybridtrain.config import (  # noqa: E402
     load_model_presets,
     load_run_config,
 )
-from hybridtrain.errors import ConfigError, ExitCode  # noqa: E402
+from hybridtrain.errors import ConfigError, ExitCode
 
+REPO = Path(__file__).resolve().parents[3]
 ZERO1 = REPO / "include" / "deepspeed" / "zero1.json"
 
 

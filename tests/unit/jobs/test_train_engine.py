@@ -6,19 +6,14 @@ asks of them, which is where Slurm's one-GPU-per-task binding would otherwise fa
 
 from __future__ import annotations
 
-import sys
 from datetime import timedelta
-from pathlib import Path
 from types import SimpleNamespace
 
+import deepspeed
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from hybridtrain import engine as ds_engine  # noqa: E402
+import torch
+import torch.distributed as dist
+from hybridtrain import engine as ds_engine
 
 
 @pytest.fixture

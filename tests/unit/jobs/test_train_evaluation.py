@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-
-from hybridtrain.evaluation import LOG_LOSS_EPS, log_loss, roc_auc  # noqa: E402
+from hybridtrain.evaluation import LOG_LOSS_EPS, log_loss, roc_auc
 
 
 def pairwise_auc(labels, scores) -> float:

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-
-from hybridtrain.config import ModelSpec  # noqa: E402
-from hybridtrain.export import SMOKE_ROWS, export_model  # noqa: E402
-from hybridtrain.features import standardization  # noqa: E402
-from hybridtrain.model import build_network  # noqa: E402
+from hybridtrain.config import ModelSpec
+from hybridtrain.export import SMOKE_ROWS, export_model
+from hybridtrain.features import standardization
+from hybridtrain.model import build_network
 
 COLUMNS = ("spend_30d", "visits_7d", "tenure_days")
 SPEC = ModelSpec(hidden_sizes=(8, 4), dropout=0.1, preset=None)

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-
-from hybridtrain.errors import FeatureDataError  # noqa: E402
-from hybridtrain.features import holdout_mask, read_feature_partitions  # noqa: E402
+from hybridtrain.errors import FeatureDataError
+from hybridtrain.features import holdout_mask, read_feature_partitions
 
 COLUMNS = ["spend_30d", "visits_7d"]
 

@@ -6,15 +6,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-
-from hybridtrain.gpu import (  # noqa: E402
+from hybridtrain.gpu import (
     GpuSampler,
     bound_gpu_ids,
     gpu_metrics_file,

@@ -1,4 +1,5 @@
-"""The training job runs on the cluster with torch, deepspeed, pyarrow, numpy and pandas only: no Airflow."""
+"""The training job runs on the cluster with torch, deepspeed, pyarrow, numpy and pandas only: no Airflow. Of the
+jobs' shared package it uses only the standard-library atomic writes (``hybridjobs.atomic``, shipped beside it)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,20 @@ SOURCES = [JOBS / "train.py", *sorted((JOBS / "hybridtrain").glob("*.py"))]
 ALLOWED_THIRD_PARTY = {"torch", "deepspeed", "numpy", "pyarrow", "pandas"}
 
 
-def imported_top_level_modules(path: Path) -> set[str]:
+def imported_modules(path: Path) -> set[str]:
     modules = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            modules |= {alias.name.split(".")[0] for alias in node.names}
+            modules |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "hybridjobs":
+            modules |= {f"hybridjobs.{alias.name}" for alias in node.names}  # from hybridjobs import atomic
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            modules.add(node.module.split(".")[0])
+            modules.add(node.module)
     return modules
+
+
+def imported_top_level_modules(path: Path) -> set[str]:
+    return {module.split(".")[0] for module in imported_modules(path)}
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda path: path.relative_to(JOBS).as_posix())
@@ -29,8 +36,15 @@ def test_training_job_imports_only_the_cluster_dependencies(path):
         imported_top_level_modules(path)
         - set(sys.stdlib_module_names)
         - ALLOWED_THIRD_PARTY
-        - {"hybridtrain"}
+        - {"hybridtrain", "hybridjobs"}
     )
     assert not foreign, (
         f"{path} imports {sorted(foreign)}; the training job must not need Airflow or the package"
     )
+    shared = {module for module in imported_modules(path) if module.split(".")[0] == "hybridjobs"}
+    assert shared <= {"hybridjobs.atomic"}, f"{path} imports {sorted(shared)}; of hybridjobs only atomic is stdlib-only"
+
+
+def test_the_atomic_writes_the_training_job_uses_need_only_the_standard_library():
+    atomic = JOBS / "hybridjobs" / "atomic.py"
+    assert imported_top_level_modules(atomic) <= set(sys.stdlib_module_names)

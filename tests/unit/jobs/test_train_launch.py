@@ -6,15 +6,11 @@ import logging
 import os
 import signal
 import stat
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-
-from hybridtrain.errors import ExitCode, RequeueError, ResumeError, collective_failure  # noqa: E402
-from hybridtrain.launch import (  # noqa: E402
+from hybridtrain.errors import ExitCode, RequeueError, ResumeError, collective_failure
+from hybridtrain.launch import (
     cuda_device_index,
     describe_ranks,
     distributed_environment,
@@ -24,7 +20,7 @@ from hybridtrain.launch import (  # noqa: E402
     node_name,
     restart_count,
 )
-from hybridtrain.preemption import StopRequest, requeue_command, requeue_job  # noqa: E402
+from hybridtrain.preemption import StopRequest, requeue_command, requeue_job
 
 
 @pytest.mark.parametrize(

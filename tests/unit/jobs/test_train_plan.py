@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-
-from hybridtrain.errors import ConfigError  # noqa: E402
-from hybridtrain.plan import epoch_permutation, make_plan  # noqa: E402
+from hybridtrain.errors import ConfigError
+from hybridtrain.plan import epoch_permutation, make_plan
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "jobs"))
-
-from hybridtrain.progress import ProgressReporter, read_progress  # noqa: E402
+from hybridtrain.progress import ProgressReporter, read_progress
 
 
 class FakeClock:

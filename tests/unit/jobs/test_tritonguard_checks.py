@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO / "jobs"))
-from tritonguard.checks import Limits, ModelSpec, RequestRefused, check_request, split_body  # noqa: E402
-from tritonguard.server import CLOSED, INFER, first_non_finite  # noqa: E402
+from tritonguard.checks import Limits, ModelSpec, RequestRefused, check_request, split_body
+from tritonguard.server import CLOSED, INFER, first_non_finite
 
 MODEL = ModelSpec.from_config({
     "max_batch_size": 256,

@@ -7,7 +7,6 @@ from hybridflow.pipeline.champion import FIRST_MODEL, KEEP_CHAMPION, PROMOTE, de
 from hybridflow.pipeline.nightly import (
     features_figures,
     plan_run,
-    run_key,
     should_deploy,
     training_figures,
     training_window,
@@ -51,15 +50,6 @@ def test_training_window_takes_published_days_ending_at_ds(ds, days, published, 
 def test_training_window_requires_the_runs_own_partition():
     with pytest.raises(ValueError, match="features/ds=2026-03-04 is not published"):
         training_window("2026-03-04", 7, ["2026-03-03"])
-
-
-@pytest.mark.parametrize(
-    "run_id, key",
-    [("scheduled__2026-03-04T02:00:00+00:00", "scheduled__2026-03-04T02_00_00_00_00"),
-     ("../../etc", "etc"), ("a b;c", "a_b_c"), ("", "run")],
-)
-def test_run_key_is_one_safe_path_segment(run_id, key):
-    assert run_key(run_id) == key
 
 
 @pytest.mark.parametrize(

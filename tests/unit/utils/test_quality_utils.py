@@ -211,21 +211,29 @@ def _contract_with(**changes):
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"schema": []}, "'schema' must be a non-empty list"),
-    (_contract_with(schema=[{"name": "f", "type": "float32"}]), r"schema\[0\] must have exactly the keys"),
-    (_contract_with(schema=[{"name": "f", "type": "double", "role": "feature"}]), "type 'double'"),
-    (_contract_with(schema=[{"name": "f", "type": "float32", "role": "target"}]), "role 'target'"),
+    ({"schema": []}, r"schema: \[\]; expected a non-empty list"),
+    (_contract_with(schema=[{"name": "f", "type": "float32"}]), r"schema\[0\]\.role: missing"),
+    (_contract_with(schema=[{"name": "f", "type": "float32", "role": "feature", "unit": "s"}]),
+     r"schema\[0\]: unknown key\(s\) unit"),
+    (_contract_with(schema=[{"name": "f", "type": "double", "role": "feature"}]),
+     r"schema\[0\]\.type: 'double' \(column f\); expected one of"),
+    (_contract_with(schema=[{"name": "f", "type": "float32", "role": "target"}]),
+     r"schema\[0\]\.role: 'target' \(column f\); expected one of"),
     (_contract_with(schema=[{"name": "f", "type": "int32", "role": "feature"}]), "float32 or float64"),
     (_contract_with(schema=[{"name": "f", "type": "float32", "role": "feature"}] * 2), "f more than once"),
     (_contract_with(schema=[{"name": "k", "type": "string", "role": "key"}]),
      "no column with role 'feature'"),
-    (_contract_with(thresholds={"max_quarantine_ratio": -1}), "max_quarantine_ratio must be a number >= 0"),
-    (_contract_with(thresholds={"min_rows": 1.5}), "min_rows must be an integer"),
-    (_contract_with(thresholds={"max_null_ratio": {"per_column": {"g": 0.1}}}), "names g, which the schema"),
-    (_contract_with(thresholds={"row_count_change": {"min_ratio": 3, "max_ratio": 2}}), "min_ratio is above"),
+    (_contract_with(thresholds={"max_quarantine_ratio": -1}),
+     "thresholds.max_quarantine_ratio: -1; expected a number >= 0"),
+    (_contract_with(thresholds={"min_rows": 1.5}), "thresholds.min_rows: 1.5; expected an integer >= 0"),
+    (_contract_with(thresholds={"max_null_ratio": {"per_column": {"g": 0.1}}}),
+     "thresholds.max_null_ratio.per_column: g; name only columns the schema declares"),
+    (_contract_with(thresholds={"row_count_change": {"min_ratio": 3, "max_ratio": 2}}),
+     r"thresholds.row_count_change.min_ratio: 3; expected at most max_ratio \(2\)"),
+    (_contract_with(thresholds=[1]), "thresholds: expected a mapping, got list"),
 ])
 def test_quality_contract_rejects(data, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=f"^features.json: .*{message}"):
         quality.parse_contract(data, "features.json")
 
 

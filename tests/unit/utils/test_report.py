@@ -6,16 +6,18 @@ import copy
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
+from helpers.nested import change_at
 from hybridflow.exceptions import ConfigError
+from hybridflow.layout import StorageLayout
 from hybridflow.pipeline.report import (
     CostConfig,
     build_report,
     chart_plan,
     render_charts,
     render_html,
-    report_dir_for,
     write_report,
 )
 
@@ -55,14 +57,7 @@ def figures_with(**changes) -> dict:
     """FIGURES with dotted paths replaced; a value of ``...`` deletes the key."""
     figures = copy.deepcopy(FIGURES)
     for dotted, value in changes.items():
-        *parents, last = dotted.split("__")
-        node = figures
-        for key in parents:
-            node = node[key]
-        if value is ...:
-            del node[last]
-        else:
-            node[last] = value
+        change_at(figures, dotted.split("__"), value, delete_marker=...)
     return figures
 
 
@@ -238,8 +233,9 @@ def test_report_loss_curve_counts_points_it_cannot_draw():
 
 
 def test_report_write_publishes_json_html_and_charts(tmp_path):
-    target = report_dir_for(tmp_path, "nightly_training", FIGURES["run_id"])
-    assert target == tmp_path / "reports" / "nightly_training" / "scheduled__2026-01-05T00_00_00_00_00"
+    target = Path(StorageLayout(str(tmp_path)).report_dir("nightly_training", FIGURES["ds"], FIGURES["run_id"]))
+    run = "scheduled__2026-01-05T00_00_00_00_00"
+    assert target == tmp_path / "reports" / "nightly_training" / "ds=2026-01-05" / run
     paths = write_report(target, FIGURES, PRICES)
     assert sorted(os.listdir(target)) == ["deploy_latency.png", "holdout_metrics.png", "loss_curve.png",
                                           "report.html", "report.json"]
@@ -262,4 +258,3 @@ def test_report_rewrite_replaces_the_earlier_report_atomically(tmp_path):
     assert not report["sections"]["deploy"]["ran"]
     assert paths["not_measured"] == report["not_measured"]
     assert sorted(os.listdir(target.parent)) == ["run1"], "no staging or retired directory is left behind"
-

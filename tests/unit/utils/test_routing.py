@@ -17,7 +17,6 @@ from hybridflow.pipeline.routing import (
     parse_routing_rules,
     plan_job,
     route,
-    run_dir_for,
 )
 
 RULES_FILE = include_dir() / "config" / "routing.yaml"
@@ -253,7 +252,7 @@ def test_routing_hostile_config_values_stay_one_inert_argv_element(hostile):
         (lambda d: d["workloads"]["batch_inference"]["rules"][0]["when"].update(gpu_hours={"gte": 5}),
          "rules[0].when.gpu_hours: unknown profile figure 'gpu_hours'"),
         (lambda d: d["workloads"]["batch_inference"]["rules"][0].pop("why"),
-         "routing.workloads.batch_inference.rules[0]: missing key(s) why"),
+         "routing.workloads.batch_inference.rules[0].why: missing (required)"),
         (lambda d: d["workloads"]["model_training"]["jobs"]["slurm_gpu"][0]["command"].append("{script}"),
          "jobs.slurm_gpu[0]: unknown placeholder(s) {script}; "
          "use a field of the workload (hidden_sizes, batch)"),
@@ -281,7 +280,11 @@ def test_routing_hostile_config_values_stay_one_inert_argv_element(hostile):
          "routing.targets.slurm_gpu.gpus_per_node: 0; slurm_gpu needs GPUs"),
         (lambda d: d["targets"]["slurm_cpu"].update(partition="cpu; rm"),
          "routing.targets.slurm_cpu.partition: 'cpu; rm'; expected text matching"),
-        (lambda d: d["targets"].pop("slurm_cpu"), "routing.targets: missing key(s) slurm_cpu"),
+        (lambda d: d["targets"].pop("slurm_cpu"), "routing.targets.slurm_cpu: missing"),
+        (lambda d: d["targets"]["slurm_cpu"].update(cpus_per_task=0),
+         "routing.targets.slurm_cpu.cpus_per_task: 0; expected an integer >= 1"),
+        (lambda d: d["targets"]["slurm_cpu"].update(gpu=1),
+         "routing.targets.slurm_cpu: unknown key(s) gpu; expected some of cpus_per_task, gpus_per_node"),
         (lambda d: d["workloads"].update({"Bad Type": d["workloads"]["model_training"]}),
          "routing.workloads: type name 'Bad Type' must match"),
         (lambda d: d.update(extra=1), "routing: unknown key(s) extra"),
@@ -308,12 +311,3 @@ def test_routing_realtime_budget_matches_the_serving_slo():
     realtime = RULES.workloads["realtime_inference"]
     thresholds = {c.threshold for rule in realtime.rules for c in rule.conditions if c.metric == "cpu_p99_ms"}
     assert thresholds == {slo}
-
-
-@pytest.mark.parametrize(
-    "run_id, expected",
-    [("manual__2026-01-05T00:00:00.123+00:00", "/st/runs/router/manual__2026-01-05T00_00_00.123_00_00"),
-     ("../../etc", "/st/runs/router/.._.._etc")],
-)
-def test_routing_run_dir_is_one_path_safe_directory_per_run(run_id, expected):
-    assert run_dir_for("/st", run_id) == expected

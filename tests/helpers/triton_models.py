@@ -1,0 +1,166 @@
+"""Triton for the deploy tests: export dirs as jobs/hybridtrain/export.py writes them, the one-task deploy DAG, a
+client that keeps asking the server for a model from a process of its own, and the stack's server's view."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+N_FEATURES = 8
+TRITON_HTTP = "127.0.0.1:8000"  # the stack's Triton (its guard), HTTP
+
+
+def tiny_model(seed: int, n_features: int = N_FEATURES) -> torch.jit.ScriptModule:
+    """Linear + sigmoid over ``n_features`` inputs, weights drawn from ``seed``, as TorchScript."""
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.jit.script(torch.nn.Sequential(torch.nn.Linear(n_features, 1), torch.nn.Sigmoid()).eval())
+
+
+def make_export(directory: Path, seed: int, kind: str = "good") -> Path:
+    """An export dir as jobs/hybridtrain/export.py writes it. ``wrong``: model.pt is another model than the one
+    the smoke outputs came from; ``broken``: model.pt is not a TorchScript archive (the server fails to load it)."""
+    import torch
+
+    directory.mkdir(parents=True)
+    model = tiny_model(seed)
+    inputs = np.random.default_rng(seed).normal(size=(16, N_FEATURES)).astype(np.float32)
+    with torch.inference_mode():
+        outputs = model(torch.from_numpy(inputs)).numpy()
+    if kind == "good":
+        model.save(str(directory / "model.pt"))
+    elif kind == "wrong":
+        tiny_model(seed + 1000).save(str(directory / "model.pt"))
+    elif kind == "broken":
+        (directory / "model.pt").write_bytes(b"this is not a TorchScript archive " + str(seed).encode())
+    signature = {"format": "torchscript", "feature_columns": [f"f{i}" for i in range(N_FEATURES)],
+                 "n_features": N_FEATURES, "step": seed,
+                 "inputs": [{"name": "INPUT__0", "dtype": "float32", "shape": [-1, N_FEATURES]}],
+                 "outputs": [{"name": "OUTPUT__0", "dtype": "float32", "shape": [-1, 1], "meaning": "probability"}]}
+    smoke = {"input_name": "INPUT__0", "output_name": "OUTPUT__0", "atol": 1e-5, "inputs": inputs.tolist(),
+             "outputs": outputs.tolist()}
+    (directory / "signature.json").write_text(json.dumps(signature))
+    (directory / "smoke.json").write_text(json.dumps(smoke))
+    return directory
+
+
+DEPLOY_DAG = textwrap.dedent('''
+    from datetime import datetime
+    from airflow.sdk import DAG
+    from hybridflow.operators.triton import TritonDeployOperator
+
+    with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
+        TritonDeployOperator(
+            task_id="deploy",
+            export_dir="{export_dir}",
+            model_name="{model}",
+            repository="{repository}",
+            slo_p99_ms=50,
+            concurrency=4,
+            gate_requests={gate_requests},
+            readiness_timeout_s={readiness_timeout_s},
+            retries=0,
+        )
+''')
+
+
+def deploy_dag(dag_id: str, export_dir: Path, model: str, repository: str, gate_requests: int = 200,
+               readiness_timeout_s: float = 120) -> str:
+    """The source of DAG ``dag_id``: one TritonDeployOperator task ``deploy`` of ``export_dir`` as ``model``."""
+    return DEPLOY_DAG.format(dag_id=dag_id, export_dir=export_dir, model=model, repository=repository,
+                             gate_requests=gate_requests, readiness_timeout_s=readiness_timeout_s)
+
+
+# A client that keeps asking for the model (no version: what the server serves), in its own process. A request
+# that meets a connection error (refused, reset, closed, or no answer within the network timeout: the server is
+# down or restarting) is sent again, on a new connection, for up to the retry budget (0: never); any other error
+# fails it at once. Writes, when stopped, each request's start, duration, answering version, error (empty:
+# answered) and tries.
+CLIENT_LOOP = textwrap.dedent('''
+    import json, signal, sys, time
+    from http.client import HTTPException
+    import numpy as np
+    import tritonclient.http as triton_http
+    name, url, out, n_features, retry_s, network_timeout = (
+        sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    client = triton_http.InferenceServerClient(url, network_timeout=network_timeout)
+    batch = np.ones((1, n_features), np.float32)
+    events = []
+    while not stop:
+        started, tries = time.time(), 0
+        while True:
+            tries += 1
+            data = triton_http.InferInput("INPUT__0", list(batch.shape), "FP32")
+            data.set_data_from_numpy(batch, binary_data=True)
+            try:
+                version, error = client.infer(name, [data]).get_response()["model_version"], ""
+                break
+            except (OSError, HTTPException) as exc:  # the server is away: ask again, on a new connection
+                version, error = "", repr(exc)[:300]
+                if time.time() - started > retry_s:
+                    break
+                client.close()
+                time.sleep(0.2)
+                client = triton_http.InferenceServerClient(url, network_timeout=network_timeout)
+            except Exception as exc:
+                version, error = "", repr(exc)[:300]
+                break
+        events.append([started, time.time() - started, version, error, tries])
+        time.sleep(0.01)
+    json.dump(events, open(out, "w"))
+''')
+
+
+class ClientLoop:
+    """CLIENT_LOOP in a process of its own; ``stop()`` returns its events. ``windows``: label -> (start, end) of
+    what the test did meanwhile, for its own checks."""
+
+    def __init__(self, name: str, out: Path, url: str = TRITON_HTTP, retry_s: float = 0.0,
+                 network_timeout_s: float = 30.0):
+        self.out, self.retry_s = out, retry_s
+        self.proc = subprocess.Popen([sys.executable, "-c", CLIENT_LOOP, name, url, str(out), str(N_FEATURES),
+                                      str(retry_s), str(network_timeout_s)])
+        self.windows: dict[str, tuple[float, float]] = {}
+
+    def stop(self) -> list[list]:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=self.retry_s + 30)
+        return json.loads(self.out.read_text())
+
+
+def ready_versions(model: str) -> list[int]:
+    """The versions of ``model`` the stack's Triton serves READY."""
+    from hybridflow.hooks.triton import TritonHook
+
+    hook = TritonHook("triton_default")
+    try:
+        return hook.ready_versions(model)
+    finally:
+        hook.close()
+
+
+def remove_model(repository: str, model: str) -> None:
+    """Unloads ``model`` from the stack's Triton and removes it from the local model ``repository``."""
+    from hybridflow.hooks.model_repository import LocalModelRepository
+    from hybridflow.hooks.triton import TritonHook
+    from hybridflow.utils.triton import Repository
+
+    hook = TritonHook("triton_default")
+    try:
+        hook.unload_model(model)
+    finally:
+        hook.close()
+        LocalModelRepository(Repository.parse(repository)).remove_model(model)
