@@ -55,7 +55,7 @@ def test_failed_slurm_stage_alerts_with_job_id_log_tail_and_runbook_once(run_dag
         hook.close()
 
     # Another run failing at the same stage within the window is another incident: alerted too (dedup is per DAG,
-    # stage and run; a run failing again at the same stage is suppressed: tests/unit/test_notifier.py).
+    # stage and run; a run failing again at the same stage is suppressed: tests/unit/notifiers/test_oncall_notifier.py).
     second = run_dag(source, dag_id)
     assert second["state"] == "failed"
     sent = alerts(sink)

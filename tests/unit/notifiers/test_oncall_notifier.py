@@ -31,7 +31,7 @@ from hybridflow.notifiers.oncall import (
     stage_of,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NOW = datetime(2026, 12, 2, 3, 15, tzinfo=UTC)
 SLURM_ERROR = SlurmJobFailed(
     "Slurm job 4711 (hf-nightly-training-train-abc) ended FAILED with exit code 1:0 after 93 s. \n"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-JOBS = Path(__file__).resolve().parents[3] / "jobs"
+JOBS = Path(__file__).resolve().parents[4] / "jobs"
 SOURCES = [JOBS / "train.py", *sorted((JOBS / "hybridtrain").glob("*.py"))]
 ALLOWED_THIRD_PARTY = {"torch", "deepspeed", "numpy", "pyarrow", "pandas"}
 

@@ -17,7 +17,7 @@ from hybridtrain.config import (
 )
 from hybridtrain.errors import ConfigError, ExitCode
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 ZERO1 = REPO / "include" / "deepspeed" / "zero1.json"
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hybridjobs import local_scoring, predictions, storage
 
-JOBS = Path(__file__).resolve().parents[3] / "jobs"
+JOBS = Path(__file__).resolve().parents[4] / "jobs"
 
 DS = "2026-01-05"
 # The manifest's order is neither the files' order (reversed below) nor alphabetical.
