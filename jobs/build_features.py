@@ -16,15 +16,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridjobs import features, storage  # noqa: E402
+from hybridjobs import cli, features  # noqa: E402
 from hybridjobs.spark import build_session  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", required=True, help="storage root holding raw/, features/, quarantine/")
-    parser.add_argument("--ds", required=True, type=lambda v: storage.parse_ds(v).isoformat(),
-                        help="YYYY-MM-DD")
+    cli.add_partition_args(parser, root_help="storage root holding raw/, features/, quarantine/")
     parser.add_argument("--lookback-days", type=int, default=features.DEFAULT_LOOKBACK_DAYS,
                         help="raw partitions read, ending at --ds (default %(default)s)")
     args = parser.parse_args(argv)
@@ -38,9 +36,8 @@ def main(argv: list[str]) -> int:
     spark = build_session("hybridflow-features")
     try:
         manifest = features.run(spark, args.root, args.ds, args.lookback_days)
-    except storage.PartitionNotPublishedError as err:
-        print(f"FEATURES FAILED ds={args.ds}: {err}", file=sys.stderr, flush=True)
-        return 2
+    except cli.EXPECTED_FAILURES as err:
+        return cli.failed("FEATURES", f"ds={args.ds}", err)
     finally:
         spark.stop()
     q = manifest["quarantine"]

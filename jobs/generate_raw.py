@@ -18,15 +18,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridjobs import storage  # noqa: E402
+from hybridjobs import cli, storage  # noqa: E402
 from hybridjobs.generator import RAW_COLUMNS, GeneratorConfig, generate_partition, parse_defect_weights  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--ds", required=True, type=lambda v: storage.parse_ds(v).isoformat(),
-                        help="YYYY-MM-DD")
+    cli.add_partition_args(parser)
     parser.add_argument("--rows", required=True, type=int)
     parser.add_argument("--customers", type=int, default=None, help="population size (default rows // 20)")
     parser.add_argument("--malformed-share", type=float, default=0.02, help="share of rows with one defect")

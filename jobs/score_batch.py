@@ -18,26 +18,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridjobs import scoring, storage  # noqa: E402
+from hybridjobs import cli, scoring  # noqa: E402
 from hybridjobs.spark import build_session  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--ds", required=True, type=lambda v: storage.parse_ds(v).isoformat(),
-                        help="YYYY-MM-DD")
-    parser.add_argument("--model", required=True, help="TorchScript file readable by the executors")
-    parser.add_argument("--model-version", required=True)
-    parser.add_argument("--batch-size", type=int, default=scoring.DEFAULT_BATCH_SIZE,
-                        help="rows per Arrow batch handed to the model (default %(default)s)")
+    cli.add_partition_args(parser)
+    cli.add_model_args(parser, scoring.DEFAULT_BATCH_SIZE, "TorchScript file readable by the executors")
     args = parser.parse_args(argv)
-    if not os.path.isfile(args.model):
-        parser.error(f"--model {args.model} is not a file")
-    if not args.model_version.strip():
-        parser.error("--model-version must not be empty")
-    if args.batch_size < 1:
-        parser.error("--batch-size must be >= 1")
+    cli.check_model_args(parser, args)
     return args
 
 
@@ -47,12 +37,8 @@ def main(argv: list[str]) -> int:
     try:
         manifest = scoring.run(spark, args.root, args.ds, os.path.abspath(args.model), args.model_version,
                                args.batch_size)
-    except storage.PartitionNotPublishedError as err:
-        print(f"SCORING FAILED ds={args.ds}: {err}", file=sys.stderr, flush=True)
-        return 2
-    except scoring.ModelContractError as err:
-        print(f"SCORING FAILED ds={args.ds}: {err}", file=sys.stderr, flush=True)
-        return 3
+    except cli.EXPECTED_FAILURES as err:
+        return cli.failed("SCORING", f"ds={args.ds}", err)
     finally:
         spark.stop()
     job = manifest["job"]

@@ -21,24 +21,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridjobs import local_scoring, storage  # noqa: E402
-
-
-def ds_argument(value: str) -> str:
-    try:
-        return storage.parse_ds(value).isoformat()
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+from hybridjobs import cli, local_scoring  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", help="the storage root (required unless --probe-rows)")
-    parser.add_argument("--ds", type=ds_argument, help="YYYY-MM-DD (required unless --probe-rows)")
-    parser.add_argument("--model", required=True, help="TorchScript file")
-    parser.add_argument("--model-version", required=True)
-    parser.add_argument("--batch-size", type=int, default=local_scoring.DEFAULT_BATCH_SIZE,
-                        help="rows per batch handed to the model (default %(default)s)")
+    cli.add_partition_args(parser, required=False, root_help="the storage root (--root and --ds are required "
+                           "unless --probe-rows)")
+    cli.add_model_args(parser, local_scoring.DEFAULT_BATCH_SIZE, "TorchScript file")
     parser.add_argument("--device", choices=local_scoring.DEVICES, default="auto",
                         help="auto: the GPU when torch sees one, else the CPU (default %(default)s)")
     parser.add_argument("--probe-rows", type=int, default=None,
@@ -50,12 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--probe-rows scores synthetic rows: give it without --root and --ds")
     if args.probe_rows is not None and args.probe_rows < 1:
         parser.error("--probe-rows must be >= 1")
-    if not os.path.isfile(args.model):
-        parser.error(f"--model {args.model} is not a file")
-    if not args.model_version.strip():
-        parser.error("--model-version must not be empty")
-    if args.batch_size < 1:
-        parser.error("--batch-size must be >= 1")
+    cli.check_model_args(parser, args)
     try:
         args.device = local_scoring.resolve_device(args.device)
     except ValueError as err:
@@ -74,12 +59,8 @@ def main(argv: list[str]) -> int:
                   f"seconds={job['seconds']} rows_per_s={job['rows_per_s']}", flush=True)
             return 0
         manifest = local_scoring.run(args.root, args.ds, model, args.model_version, args.batch_size, args.device)
-    except storage.PartitionNotPublishedError as err:
-        print(f"SCORING FAILED {what}: {err}", file=sys.stderr, flush=True)
-        return 2
-    except local_scoring.ModelContractError as err:
-        print(f"SCORING FAILED {what}: {err}", file=sys.stderr, flush=True)
-        return 3
+    except cli.EXPECTED_FAILURES as err:
+        return cli.failed("SCORING", what, err)
     job = manifest["job"]
     print(f"SCORING ds={args.ds} rows={manifest['row_count']} model_version={args.model_version} "
           f"device={job['device']} seconds={job['seconds']} rows_per_s={job['rows_per_s']}", flush=True)
