@@ -25,7 +25,7 @@ from datetime import timedelta
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Asset, Param, TaskGroup, task
 from hybridflow.config import model_preset_names, pipeline_config
-from hybridflow.dag_defaults import DEFAULT_ARGS
+from hybridflow.dag_defaults import DEFAULT_ARGS, spark_submit_defaults
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
@@ -49,11 +49,6 @@ def prepared_value(key: str, suffix: str = "") -> str:
     rendered = "| tojson " if key == "run_config" else ""
     return "{{ ti.xcom_pull(task_ids='training.prepare')['" + key + "'] " + rendered + "}}" + suffix
 
-
-# Hadoop's own umask (not the process's) sets what Spark writes: 002, shared storage stays group-writable.
-SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
-              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
-              "spark.hadoop.fs.permissions.umask-mode": "002"}
 
 with DAG(
     dag_id="nightly_training",
@@ -140,13 +135,10 @@ with DAG(
     with TaskGroup("features", tooltip="Spark: raw events -> per-customer features, quarantine") as features:
         build_features = SparkSubmitOperator(
             task_id="build_features",
-            conn_id=config.spark.conn_id,
+            **spark_submit_defaults(),
             application=str(jobs_dir() / "build_features.py"),
             application_args=["--root", root, "--ds", "{{ ds }}", "--lookback-days", str(config.spark.lookback_days)],
             name="features-{{ ds }}",
-            driver_memory=config.spark.driver_memory,
-            conf=SPARK_CONF,
-            pool="spark",
             outlets=[FEATURES],
             doc_md="Runbook: include/runbooks/features.md",
         )
@@ -246,15 +238,12 @@ with DAG(
         champion = model_of_record()
         score = SparkSubmitOperator(
             task_id="score_batch",
-            conn_id=config.spark.conn_id,
+            **spark_submit_defaults(),
             application=str(jobs_dir() / "score_batch.py"),
             application_args=["--root", root, "--ds", "{{ ds }}",
                               "--model", "{{ ti.xcom_pull(task_ids='scoring.model_of_record')['model_path'] }}",
                               "--model-version", "{{ ti.xcom_pull(task_ids='scoring.model_of_record')['version'] }}"],
             name="scoring-{{ ds }}",
-            driver_memory=config.spark.driver_memory,
-            conf=SPARK_CONF,
-            pool="spark",
             outlets=[PREDICTIONS],
             doc_md="Runbook: include/runbooks/scoring.md",
         )

@@ -26,7 +26,7 @@ from __future__ import annotations
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Param, task
 from hybridflow.config import pipeline_config
-from hybridflow.dag_defaults import DEFAULT_ARGS
+from hybridflow.dag_defaults import DEFAULT_ARGS, spark_submit_defaults
 from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
 from hybridflow.params import closed_object, number, strict_params, workload_config
@@ -37,10 +37,6 @@ rules = routing_rules()
 RUNBOOK = "include/runbooks/workload-router.md"
 BRANCHES = {"spark": "run_on_cpu_spark", "slurm_gpu": "run_on_gpu_slurm", "slurm_cpu": "run_on_cpu_slurm",
             "triton": "serve_on_triton"}
-# Hadoop's own umask (not the process's) sets what Spark writes: 002, shared storage stays group-writable.
-SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
-              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
-              "spark.hadoop.fs.permissions.umask-mode": "002"}
 CONFIG_FIELDS = "; ".join(
     f"{name}: {', '.join(f.describe() for f in workload.fields.values()) or 'none'}"
     for name, workload in rules.workloads.items())
@@ -124,13 +120,10 @@ with DAG(
 
     run_on_cpu_spark = SparkSubmitOperator(
         task_id="run_on_cpu_spark",
-        conn_id=config.spark.conn_id,
+        **spark_submit_defaults(),
         application=routed["spark_application"],
         application_args=routed["spark_args"],
         name="workload-router",
-        driver_memory=config.spark.driver_memory,
-        conf=SPARK_CONF,
-        pool="spark",
         doc_md=f"Runbook: {RUNBOOK}, then include/runbooks/features.md",
     )
 

@@ -23,6 +23,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from hybridjobs import manifests, storage
+from hybridjobs.manifests import QUARANTINE_REASONS
 from hybridjobs.spark import manifest_columns
 
 RAW_COLUMNS = ("event_id", "customer_id", "event_ts", "event_type", "amount", "channel", "device", "country")
@@ -39,16 +40,6 @@ DEFAULT_LOOKBACK_DAYS = LONGEST_WINDOW_DAYS
 # to inf well before that), so they count as bad_amount_type.
 MAX_ABS_AMOUNT = 1e12
 
-# Priority order: a row gets the first reason that applies.
-QUARANTINE_REASONS = (
-    "invalid_utf8",
-    "missing_customer_id",
-    "bad_timestamp",
-    "future_timestamp",
-    "unknown_event_type",
-    "bad_amount_type",
-    "negative_amount",
-)
 
 FEATURE_COLUMNS = (
     *(f"log_events_{w}d" for w in WINDOWS_DAYS),

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from hybridjobs.manifests import QUARANTINE_REASONS
 from hybridjobs.storage import parse_ds
 
 RAW_COLUMNS = ("event_id", "customer_id", "event_ts", "event_type", "amount", "channel", "device", "country")
@@ -42,16 +43,8 @@ COUNTRIES = ("US", "GB", "DE", "FR", "IN", "BR", "CA", "ES", "IT", "NL", "JP", "
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 ROW_GROUP_ROWS = 100_000
 
-# Names shared with the features job's quarantine reasons (hybridjobs.features.QUARANTINE_REASONS).
-DEFECT_KINDS = (
-    "invalid_utf8",
-    "missing_customer_id",
-    "bad_timestamp",
-    "future_timestamp",
-    "unknown_event_type",
-    "bad_amount_type",
-    "negative_amount",
-)
+# The defects planted are the features job's quarantine reasons, one kind each.
+DEFECT_KINDS = QUARANTINE_REASONS
 
 _GARBAGE_BYTES = [b"\xff\xfe\xfd", b"caf\xe9", b"\xc3\x28", b"\x80abc", b"\xed\xa0\x80", b"id-\xff\xff"]
 _BAD_TIMESTAMPS = [b"not-a-time", b"2026-13-45T99:99:99Z", b"", b"31/12/2025 10:00", None, b"1735689600"]

@@ -17,6 +17,18 @@ import pyarrow.parquet as pq
 
 from hybridjobs import storage
 
+# Why the features job quarantines a raw row, in priority order (a row gets the first reason that applies); the
+# raw generator plants exactly these defects, and the manifests count rows per reason.
+QUARANTINE_REASONS = (
+    "invalid_utf8",
+    "missing_customer_id",
+    "bad_timestamp",
+    "future_timestamp",
+    "unknown_event_type",
+    "bad_amount_type",
+    "negative_amount",
+)
+
 
 def partition_files(partition: str | Path, subdir: str = "") -> list[Path]:
     base = Path(partition) / subdir if subdir else Path(partition)

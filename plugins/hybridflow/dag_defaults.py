@@ -18,6 +18,18 @@ def failure_alert(stage: str | None = None) -> OnCallNotifier:
                           log_lines=alerts.log_lines, stage=stage)
 
 
+# Hadoop's own umask (not the process's) sets what Spark writes: 002, shared storage stays group-writable.
+SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
+              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",
+              "spark.hadoop.fs.permissions.umask-mode": "002"}
+
+
+def spark_submit_defaults() -> dict:
+    """What every SparkSubmitOperator of the suite shares: the connection, driver memory, conf and pool."""
+    spark = pipeline_config().spark
+    return {"conn_id": spark.conn_id, "driver_memory": spark.driver_memory, "conf": SPARK_CONF, "pool": "spark"}
+
+
 DEFAULT_ARGS = {
     "owner": OWNER,
     "retries": 2,
