@@ -17,19 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from hybridjobs import manifests, predictions, storage
-from hybridjobs.predictions import DEFAULT_BATCH_SIZE, PREDICTION_COLUMNS, ModelContractError
+from hybridjobs.predictions import COLUMNS, DEFAULT_BATCH_SIZE, SCHEMA, ModelContractError
 
 __all__ = ["COLUMNS", "DEFAULT_BATCH_SIZE", "DEVICES", "ModelContractError", "probe", "resolve_device", "run"]
 DEVICES = ("auto", "cpu", "cuda")
-# The manifest's type names, as the Spark scorer's manifest has them (hybridjobs.spark.MANIFEST_TYPES).
-COLUMN_TYPES = {"customer_id": "string", "score": "float32", "model_version": "string"}
-COLUMNS = [{"name": name, "type": COLUMN_TYPES[name]} for name in PREDICTION_COLUMNS]
-SCHEMA = pa.schema([(column["name"], pa.type_for_alias(column["type"])) for column in COLUMNS])
 
 
 def resolve_device(requested: str | None = None) -> str:
@@ -82,16 +76,9 @@ def _prepare(model_version: str, batch_size: int, device: str | None) -> str:
 def _score_file(model: Any, source: Path, out: Path, feature_columns: list[str], model_version: str,
                 batch_size: int, device: str) -> int:
     """Scores one features file into one predictions file, a row group per batch; returns the rows written."""
-    rows = 0
-    version = pa.scalar(model_version, pa.string())
     with pq.ParquetFile(source) as reader, pq.ParquetWriter(out, SCHEMA) as writer:
-        for batch in reader.iter_batches(batch_size=batch_size, columns=["customer_id", *feature_columns]):
-            scores = predictions.score_array(model, predictions.batch_inputs(batch, feature_columns), device)
-            writer.write_batch(pa.record_batch(
-                [pc.cast(batch.column("customer_id"), pa.string()), pa.array(scores, pa.float32()),
-                 pa.repeat(version, batch.num_rows)], schema=SCHEMA))
-            rows += batch.num_rows
-    return rows
+        batches = reader.iter_batches(batch_size=batch_size, columns=["customer_id", *feature_columns])
+        return predictions.write_scored(writer, model, batches, feature_columns, model_version, device)
 
 
 def run(root: str, ds: str, model_path: str, model_version: str, batch_size: int = DEFAULT_BATCH_SIZE,

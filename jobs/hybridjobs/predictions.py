@@ -7,14 +7,23 @@ has torch and pyarrow but no pyspark.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from hybridjobs import manifests, storage
 
 DEFAULT_BATCH_SIZE = 65_536
 PREDICTION_COLUMNS = ("customer_id", "score", "model_version")
+# The partition's columns as its manifest declares them (the type names Spark's writer used), and the file schema
+# every scoring path writes: model_version is on every row, so it is required.
+COLUMNS = [{"name": "customer_id", "type": "string"}, {"name": "score", "type": "float32"},
+           {"name": "model_version", "type": "string"}]
+SCHEMA = pa.schema([pa.field("customer_id", pa.string()), pa.field("score", pa.float32()),
+                    pa.field("model_version", pa.string(), nullable=False)])
 _MODELS: dict[tuple[str, str], Any] = {}
 
 
@@ -58,6 +67,21 @@ def score_array(model: Any, inputs: Any, device: str = "cpu") -> Any:
         raise ModelContractError(f"model returned shape {tuple(scores.shape)} for input {inputs.shape}; "
                                  f"expected ({len(inputs)}, 1)")
     return scores.to("cpu").numpy().reshape(-1).astype(np.float32, copy=False)
+
+
+def write_scored(writer: Any, model: Any, batches: Iterable[Any], feature_columns: Sequence[str],
+                 model_version: str, device: str = "cpu") -> int:
+    """Scores Arrow batches of features (``customer_id`` and ``feature_columns``) into ``writer`` (a Parquet
+    writer of :data:`SCHEMA`), a row group per batch; returns the rows written. Every scoring path's loop."""
+    version = pa.scalar(model_version, pa.string())
+    rows = 0
+    for batch in batches:
+        scores = score_array(model, batch_inputs(batch, feature_columns), device)
+        writer.write_batch(pa.record_batch(
+            [pc.cast(batch.column("customer_id"), pa.string()), pa.array(scores, pa.float32()),
+             pa.repeat(version, batch.num_rows)], schema=SCHEMA))
+        rows += batch.num_rows
+    return rows
 
 
 def check_model(model_path: str, n_features: int, device: str = "cpu") -> None:

@@ -40,15 +40,18 @@ import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 
 from hybridjobs import manifests, predictions, storage
-from hybridjobs.predictions import DEFAULT_BATCH_SIZE, ModelContractError, batch_inputs, check_model, load_model
+from hybridjobs.predictions import (
+    COLUMNS,
+    DEFAULT_BATCH_SIZE,
+    SCHEMA,
+    ModelContractError,
+    batch_inputs,
+    check_model,
+    load_model,
+)
 
 __all__ = ["COLUMNS", "DEFAULT_BATCH_SIZE", "SCHEMA", "ModelContractError", "assign_row_groups", "batch_inputs",
            "check_model", "load_model", "plan", "run", "score_tasks"]
-# The manifest's columns, as Spark's own writer declared them (model_version, a literal, is required).
-COLUMNS = [{"name": "customer_id", "type": "string"}, {"name": "score", "type": "float32"},
-           {"name": "model_version", "type": "string"}]
-SCHEMA = pa.schema([pa.field("customer_id", pa.string()), pa.field("score", pa.float32()),
-                    pa.field("model_version", pa.string(), nullable=False)])
 WRITTEN_SCHEMA = "file string, rows long"
 RowGroup = tuple[str, int]  # (Parquet file, row group index)
 
@@ -73,7 +76,6 @@ def score_tasks(task_ids: Iterator[pa.RecordBatch], tasks: Sequence[Sequence[Row
 
     torch.set_num_threads(1)  # Spark already runs one Python worker per core
     model = load_model(model_path)
-    version = pa.scalar(model_version, pa.string())
     columns = ["customer_id", *feature_columns]
     for ids in task_ids:
         for task in ids.column(0).to_pylist():
@@ -83,13 +85,9 @@ def score_tasks(task_ids: Iterator[pa.RecordBatch], tasks: Sequence[Sequence[Row
             with pq.ParquetWriter(partial_file, SCHEMA) as writer:  # no row group: still a file with the schema
                 for path, index in tasks[task]:
                     # use_threads=False: the other cores run the other tasks
-                    for batch in pq.ParquetFile(path).iter_batches(batch_size, row_groups=[index], columns=columns,
-                                                                   use_threads=False):
-                        scores = predictions.score_array(model, batch_inputs(batch, feature_columns))
-                        writer.write_batch(pa.record_batch(
-                            [batch.column("customer_id"), pa.array(scores, pa.float32()),
-                             pa.repeat(version, batch.num_rows)], schema=SCHEMA))
-                        rows += batch.num_rows
+                    batches = pq.ParquetFile(path).iter_batches(batch_size, row_groups=[index], columns=columns,
+                                                                use_threads=False)
+                    rows += predictions.write_scored(writer, model, batches, feature_columns, model_version)
             partial_file.replace(target)
             yield pa.record_batch({"file": [target.name], "rows": [rows]})
 

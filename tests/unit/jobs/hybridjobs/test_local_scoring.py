@@ -22,8 +22,9 @@ JOBS = Path(__file__).resolve().parents[4] / "jobs"
 DS = "2026-01-05"
 # The manifest's order is neither the files' order (reversed below) nor alphabetical.
 FEATURES = ("visits_7d", "spend_30d", "basket_mean", "discount_share")
+# The same file schema as the Spark route's (model_version on every row, so required).
 PREDICTIONS_SCHEMA = pa.schema([("customer_id", pa.string()), ("score", pa.float32()),
-                                ("model_version", pa.string())])
+                                pa.field("model_version", pa.string(), nullable=False)])
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no GPU")
 
 
