@@ -24,7 +24,7 @@ from pyspark.sql import functions as F
 
 from hybridjobs import manifests, storage
 from hybridjobs.manifests import QUARANTINE_REASONS
-from hybridjobs.spark import manifest_columns
+from hybridjobs.spark import job_section, manifest_columns
 
 RAW_COLUMNS = ("event_id", "customer_id", "event_ts", "event_type", "amount", "channel", "device", "country")
 TIMESTAMP_PATTERN = "yyyy-MM-dd'T'HH:mm:ss'Z'"
@@ -218,16 +218,8 @@ def run(spark: SparkSession, root: str, ds: str,
     stats = manifests.column_stats(feature_files, OUTPUT_COLUMNS, FEATURE_COLUMNS)
     labels = manifests.read_files(feature_files, ["label"]).column("label") if stats["row_count"] else None
     label_rate = round(pc.mean(labels).as_py(), 6) if labels is not None else None
-    seconds = round(time.monotonic() - started, 3)
-    job = {
-        "name": "build_features",
-        "spark_master": spark.sparkContext.master,
-        "spark_app_id": spark.sparkContext.applicationId,
-        "seconds": seconds,
-        "raw_rows_per_s": round(raw_rows / seconds, 1) if seconds else None,
-        "lookback_days": lookback_days,
-        "as_of": storage.interval_end(ds).isoformat(),
-    }
+    job = job_section(spark, "build_features", started, raw_rows, "raw_rows_per_s", lookback_days=lookback_days,
+                      as_of=storage.interval_end(ds).isoformat())
     quarantine_section = {
         "rows": quarantined,
         "ratio": round(quarantined / raw_rows, 6) if raw_rows else 0.0,

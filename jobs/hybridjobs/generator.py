@@ -140,6 +140,11 @@ def _take(values: list[bytes | None], idx: np.ndarray) -> pa.Array:
     return pa.array(values, pa.binary()).take(pa.array(idx))
 
 
+def _draw(rng: np.random.Generator, pool: list[bytes | None], n: int) -> pa.Array:
+    """``n`` values drawn from ``pool`` with replacement."""
+    return _take(pool, rng.integers(0, len(pool), n))
+
+
 def _format_ts(seconds: np.ndarray) -> pa.Array:
     ts = pa.array(seconds.astype("datetime64[s]")).cast(pa.timestamp("s", tz="UTC"))
     return pc.cast(pc.strftime(ts, format=TIMESTAMP_FORMAT), pa.binary())
@@ -225,27 +230,19 @@ def _plant(kind: str, idx: np.ndarray, columns: dict[str, pa.Array], rng: np.ran
         for f, name in enumerate(TEXT_FIELDS_FOR_GARBAGE):
             sel = idx[fields == f]
             if len(sel):
-                garbage = _take(_GARBAGE_BYTES, rng.integers(0, len(_GARBAGE_BYTES), len(sel)))
+                garbage = _draw(rng, _GARBAGE_BYTES, len(sel))
                 columns[name] = _replace(columns[name], sel, garbage)
     elif kind == "missing_customer_id":
-        columns["customer_id"] = _replace(
-            columns["customer_id"], idx, _take(_MISSING_IDS, rng.integers(0, len(_MISSING_IDS), n))
-        )
+        columns["customer_id"] = _replace(columns["customer_id"], idx, _draw(rng, _MISSING_IDS, n))
     elif kind == "bad_timestamp":
-        columns["event_ts"] = _replace(
-            columns["event_ts"], idx, _take(_BAD_TIMESTAMPS, rng.integers(0, len(_BAD_TIMESTAMPS), n))
-        )
+        columns["event_ts"] = _replace(columns["event_ts"], idx, _draw(rng, _BAD_TIMESTAMPS, n))
     elif kind == "future_timestamp":
         ahead = rng.integers(86400 + 3600, 86400 + 400 * 86400, n)
         columns["event_ts"] = _replace(columns["event_ts"], idx, _format_ts(day_start + ahead))
     elif kind == "unknown_event_type":
-        columns["event_type"] = _replace(
-            columns["event_type"], idx, _take(_BAD_EVENT_TYPES, rng.integers(0, len(_BAD_EVENT_TYPES), n))
-        )
+        columns["event_type"] = _replace(columns["event_type"], idx, _draw(rng, _BAD_EVENT_TYPES, n))
     elif kind == "bad_amount_type":
-        columns["amount"] = _replace(
-            columns["amount"], idx, _take(_BAD_AMOUNTS, rng.integers(0, len(_BAD_AMOUNTS), n))
-        )
+        columns["amount"] = _replace(columns["amount"], idx, _draw(rng, _BAD_AMOUNTS, n))
     elif kind == "negative_amount":
         negative = pc.binary_join_element_wise(b"-", _format_amount(amount_values[idx]), b"")
         columns["amount"] = _replace(columns["amount"], idx, negative)

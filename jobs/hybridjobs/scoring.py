@@ -49,6 +49,7 @@ from hybridjobs.predictions import (
     check_model,
     load_model,
 )
+from hybridjobs.spark import job_section
 
 __all__ = ["COLUMNS", "DEFAULT_BATCH_SIZE", "SCHEMA", "ModelContractError", "assign_row_groups", "batch_inputs",
            "check_model", "load_model", "plan", "run", "score_tasks"]
@@ -122,15 +123,7 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
         leftover.unlink()
 
     rows = features_manifest["row_count"]  # checked against the staged files by predictions.manifest
-    seconds = round(time.monotonic() - started, 3)
-    job = {
-        "name": "score_batch",
-        "spark_master": spark.sparkContext.master,
-        "spark_app_id": spark.sparkContext.applicationId,
-        "seconds": seconds,
-        "rows_per_s": round(rows / seconds, 1) if seconds else None,
-        "batch_size": batch_size,
-    }
+    job = job_section(spark, "score_batch", started, rows, batch_size=batch_size)
     manifest = predictions.manifest(staging, ds, features_manifest, COLUMNS, job, model_path, model_version)
     storage.publish(staging, target, manifest)
     return manifest

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 
@@ -70,3 +72,11 @@ def manifest_columns(df: DataFrame) -> list[dict[str, str]]:
     return [{"name": f.name, "type": MANIFEST_TYPES.get(f.dataType.simpleString(), f.dataType.simpleString())}
             for f in df.schema.fields]
 
+
+def job_section(spark: SparkSession, name: str, started: float, rows: int, rate_key: str = "rows_per_s",
+                **details: Any) -> dict[str, Any]:
+    """A Spark stage's ``job`` manifest section: the application, its seconds since ``started`` (monotonic) and
+    its rate of ``rows`` per second under ``rate_key``, then the stage's own ``details``."""
+    seconds = round(time.monotonic() - started, 3)
+    return {"name": name, "spark_master": spark.sparkContext.master, "spark_app_id": spark.sparkContext.applicationId,
+            "seconds": seconds, rate_key: round(rows / seconds, 1) if seconds else None, **details}
