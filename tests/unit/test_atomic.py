@@ -3,7 +3,6 @@ temporary or staging name behind; modes are those asked for."""
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from hybridflow import atomic
-from hybridflow.atomic import STALE_STAGING_S, SwapError, staged_dir, write_bytes_atomic, write_json_atomic
+from hybridflow.atomic import STALE_STAGING_S, SwapError, staged_dir, write_bytes_atomic
 
 
 @pytest.fixture
@@ -34,34 +33,6 @@ def fail_on(monkeypatch, name: str) -> None:
 
 
 # --- files --------------------------------------------------------------------------------------------------
-
-
-def test_write_json_replaces_the_file_and_leaves_no_temporary(tmp_path):
-    path = tmp_path / "registry.json"
-    path.write_text("old")
-    write_json_atomic(path, {"b": 1, "a": [1, 2]}, sort_keys=True)
-    assert path.read_text() == json.dumps({"a": [1, 2], "b": 1}, indent=2, sort_keys=True) + "\n"
-    assert os.listdir(tmp_path) == ["registry.json"]
-
-
-@pytest.mark.parametrize("step", ["fsync", "replace"])
-def test_a_write_that_fails_midway_leaves_the_old_content_and_no_temporary(tmp_path, monkeypatch, step):
-    path = tmp_path / "registry.json"
-    path.write_text('{"old": true}')
-    fail_on(monkeypatch, step)
-    with pytest.raises(OSError, match="simulated"):
-        write_json_atomic(path, {"new": True})
-    assert path.read_text() == '{"old": true}'
-    assert os.listdir(tmp_path) == ["registry.json"]
-
-
-def test_a_value_json_cannot_hold_writes_nothing(tmp_path):
-    path = tmp_path / "metrics.json"
-    path.write_text("old")
-    with pytest.raises(ValueError):
-        write_json_atomic(path, {"loss": float("nan")}, allow_nan=False)
-    assert path.read_text() == "old"
-    assert os.listdir(tmp_path) == ["metrics.json"]
 
 
 def test_a_file_gets_the_mode_of_any_new_file_or_the_one_asked_for(tmp_path, umask_022):
@@ -95,25 +66,6 @@ def stage(target: Path, files: dict[str, str], **options) -> Path:
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_text(text)
     return target
-
-
-def test_a_staged_directory_replaces_the_old_one_whole(tmp_path):
-    target = tmp_path / "reports" / "run1"
-    stage(target, {"report.json": "old", "extra.png": "old"})
-    stage(target, {"report.json": "new", "charts/a.png": "new"})
-    assert sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()) == [
-        "charts/a.png", "report.json"]
-    assert (target / "report.json").read_text() == "new"
-    assert os.listdir(target.parent) == ["run1"], "no staging or retired directory is left behind"
-
-
-def test_a_failure_while_staging_leaves_the_old_directory_and_no_staging(tmp_path):
-    target = stage(tmp_path / "run1", {"report.json": "old"})
-    with pytest.raises(RuntimeError, match="chart failed"), staged_dir(target) as staging:
-        (staging / "report.json").write_text("new")
-        raise RuntimeError("chart failed")
-    assert (target / "report.json").read_text() == "old"
-    assert os.listdir(tmp_path) == ["run1"]
 
 
 def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):

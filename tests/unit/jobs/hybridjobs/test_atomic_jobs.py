@@ -3,7 +3,6 @@ leaves the old one and no temporary or staging name behind; a file gets the mode
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import time
@@ -22,31 +21,6 @@ def fail_on(monkeypatch, name: str) -> None:
     monkeypatch.setattr(atomic.os, name, crash)
 
 
-def test_write_json_replaces_the_file_and_leaves_no_temporary(tmp_path):
-    path = tmp_path / "progress.json"
-    path.write_text("old")
-    write_json_atomic(path, {"step": 3, "at": "x"}, sort_keys=True)
-    assert json.loads(path.read_text()) == {"at": "x", "step": 3} and path.read_text().endswith("}\n")
-    assert os.listdir(tmp_path) == ["progress.json"]
-
-
-@pytest.mark.parametrize("step", ["fsync", "replace"])
-def test_a_write_that_fails_midway_leaves_the_old_content_and_no_temporary(tmp_path, monkeypatch, step):
-    path = tmp_path / "MANIFEST.json"
-    path.write_text('{"old": true}')
-    fail_on(monkeypatch, step)
-    with pytest.raises(OSError, match="simulated"):
-        write_json_atomic(path, {"new": True})
-    assert path.read_text() == '{"old": true}'
-    assert os.listdir(tmp_path) == ["MANIFEST.json"]
-
-
-def test_a_value_json_cannot_hold_writes_nothing(tmp_path):
-    with pytest.raises(ValueError):
-        write_json_atomic(tmp_path / "metrics.json", {"loss": float("nan")}, allow_nan=False)
-    assert os.listdir(tmp_path) == []
-
-
 def test_a_file_gets_the_mode_any_new_file_gets(tmp_path):
     previous = os.umask(0o002)  # the shared storage's umask: group-writable
     try:
@@ -62,22 +36,6 @@ def staged(target: Path, files: dict[str, str]) -> Path:
         for name, text in files.items():
             (staging / name).write_text(text)
     return target
-
-
-def test_a_staged_directory_replaces_the_old_one_whole(tmp_path):
-    target = staged(tmp_path / "run" / "export", {"model.pt": "old", "old.json": "old"})
-    staged(target, {"model.pt": "new"})
-    assert os.listdir(target) == ["model.pt"] and (target / "model.pt").read_text() == "new"
-    assert os.listdir(target.parent) == ["export"], "no staging or retired directory is left behind"
-
-
-def test_a_failure_while_staging_leaves_the_old_directory_and_no_staging(tmp_path):
-    target = staged(tmp_path / "export", {"model.pt": "old"})
-    with pytest.raises(RuntimeError, match="export failed"), staged_dir(target) as staging:
-        (staging / "model.pt").write_text("half")
-        raise RuntimeError("export failed")
-    assert (target / "model.pt").read_text() == "old"
-    assert os.listdir(tmp_path) == ["export"]
 
 
 def test_a_failed_swap_puts_the_old_partition_back(tmp_path, monkeypatch):
