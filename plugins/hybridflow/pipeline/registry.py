@@ -42,9 +42,9 @@ def file_sha256(path: Path) -> str:
 class ModelRegistry:
     def __init__(self, storage_root: str, model_name: str):
         self.model_name = model_name
-        layout = StorageLayout(storage_root)
-        self.root = Path(layout.model_dir(model_name))
-        self.registry_path = Path(layout.model_registry(model_name))
+        self.layout = StorageLayout(storage_root)
+        self.root = Path(self.layout.model_dir(model_name))
+        self.registry_path = Path(self.layout.model_registry(model_name))
 
     def read(self) -> dict[str, Any]:
         try:
@@ -60,7 +60,7 @@ class ModelRegistry:
         return self.read()["champion"]
 
     def version_dir(self, version: int) -> Path:
-        return self.root / f"v{version}"
+        return Path(self.layout.model_version_dir(self.model_name, version))
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
