@@ -8,6 +8,7 @@ SHELL := /bin/bash
 PYTHON ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || command -v python3)
 VENV := .venv
 SERVING_VENV := .venv-serving
+MLFLOW_VENV := .venv-mlflow
 PY := $(VENV)/bin/python
 STACK := $(PYTHON) scripts/localstack.py
 PYTEST_ARGS ?=
@@ -28,7 +29,7 @@ system-deps:
 			python3-venv python3-dev openjdk-17-jre-headless make git; \
 	fi
 
-venv: system-deps venv-interpreter $(VENV)/.installed $(SERVING_VENV)/.installed
+venv: system-deps venv-interpreter $(VENV)/.installed $(SERVING_VENV)/.installed $(MLFLOW_VENV)/.installed
 
 # A venv built by an older version from another interpreter is built again from $(PYTHON).
 venv-interpreter:
@@ -51,6 +52,14 @@ $(VENV)/.installed: pyproject.toml
 $(SERVING_VENV)/.installed: include/serving/requirements.txt
 	test -x $(SERVING_VENV)/bin/python || $(PYTHON) -m venv $(SERVING_VENV)
 	$(SERVING_VENV)/bin/python -m pip install -q --disable-pip-version-check -r include/serving/requirements.txt
+	touch $@
+
+# The MLflow tracking server pulls numpy 2.x, which Airflow's environment cannot have. Every package is pinned in the
+# file (--no-deps installs exactly that set); its own user runs it, so it is built from $(PYTHON) like the others.
+$(MLFLOW_VENV)/.installed: include/mlflow/requirements.txt
+	test -x $(MLFLOW_VENV)/bin/python || $(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r include/mlflow/requirements.txt
+	$(MLFLOW_VENV)/bin/python -m pip check
 	touch $@
 
 up: venv

@@ -18,6 +18,12 @@ nodes, and the job's own GPU summary (``metrics["gpu"]``, per GPU where the job 
 both run directories are removed afterwards (the run directories as the job user, who owns them). At 5000 steps
 the training loop took 16 s at 1 rank and 60 s at 2 ranks here (2026-12, others' tests running alongside).
 
+**Tracking overhead** (issue 22: at most 2% slower): ``BENCH_TRAINING_TRACKING_PAIRS`` (3) pairs of 1-rank jobs of
+the same shape, one without and one with live MLflow tracking (a run on the stack's real server in experiment
+``bench-tracking-overhead``, the credentials file and ``tracking`` section the operator writes, rank 0 logging
+loss and rows/s every ``log_every_steps`` in batches every 5 s), alternating so that drift in the machine's load
+hits both; ``tracking_overhead`` is median(tracked rows/s) / median(untracked rows/s) (1.0: no cost).
+
 What the scaling figure means HERE: this machine has 2 CPU cores shared by everything (the Slurm "GPUs" are
 fake GRES). Two ranks are two gloo processes competing for the same 2 cores (with whatever else runs), so the
 scaling efficiency is what the cores allow, not what GPUs would give. The all-reduce share does not explain
@@ -34,10 +40,10 @@ of each loop and reports the median of each, so load from other processes on a s
 alike. On a GPU machine (CUDA torch, nvidia-smi on PATH) it measures one GPU, nvidia-smi sampled every second.
 
 Prints ``RESULT training ranks_1_rows_per_s=<x> ranks_2_rows_per_s=<y> scaling_efficiency=<y/(2x)>
-allreduce_share_in_job=<s> deepspeed_steps_per_s=<d> torch_steps_per_s=<t> deepspeed_rows_per_s=<r>
-tokens_per_s=<k> mfu=<m> gpu_mean_util_pct=<u>``; ``main()`` returns every figure, per-GPU utilization among
-them. Rows are this tabular model's tokens; MFU counts 6 FLOPs per parameter per row against the GPU's dense
-bf16 peak (``BENCH_TRAINING_PEAK_TFLOPS`` overrides; "not_measured" on a CPU). Needs the
+allreduce_share_in_job=<s> tracking_overhead=<tracked/untracked> deepspeed_steps_per_s=<d> torch_steps_per_s=<t>
+deepspeed_rows_per_s=<r> tokens_per_s=<k> mfu=<m> gpu_mean_util_pct=<u>``; ``main()`` returns every figure,
+per-GPU utilization among them. Rows are this tabular model's tokens; MFU counts 6 FLOPs per parameter per row
+against the GPU's dense bf16 peak (``BENCH_TRAINING_PEAK_TFLOPS`` overrides; "not_measured" on a CPU). Needs the
 local stack up (``make up``): the Slurm SSH connection comes from ``.state/airflow-env.json``.
 
 Environment: BENCH_TRAINING_PRESET (default small, both parts), BENCH_TRAINING_THREADS (torch threads, 1,
@@ -285,7 +291,7 @@ def _job_log(hook, status) -> str:
 
 
 def _run_job(hook, stack: dict[str, str], run_config: dict, run_dir: str, *, ranks: int, tag: str,
-             partition: str, timeout_s: float, env: dict[str, str]) -> dict:
+             partition: str, timeout_s: float, env: dict[str, str], label: str = "") -> dict:
     """Submit jobs/train.py as the operator renders it (1 node x ``ranks`` ranks), wait for the end, read its
     metrics.json; raises unless the job COMPLETED."""
     from hybridflow.operators.training import DeepSpeedTrainingOperator
@@ -298,7 +304,8 @@ def _run_job(hook, stack: dict[str, str], run_config: dict, run_dir: str, *, ran
     )
     hook.run(["mkdir", "-p", "--", f"{run_dir}/logs"])
     hook.write_text(f"{run_dir}/config.json", json.dumps({**op.run_config, "run_dir": run_dir}, indent=2))
-    script = render_sbatch_script(op.build_spec(deterministic_job_name("bench", "training", f"{tag}-ranks{ranks}")))
+    name = deterministic_job_name("bench", "training", f"{tag}-{label or f'ranks{ranks}'}")
+    script = render_sbatch_script(op.build_spec(name))
     submitted = time.monotonic()
     job_id = hook.submit(script)
     print(f"training job, 1 node x {ranks} rank(s): Slurm job {job_id} submitted", flush=True)
@@ -359,6 +366,45 @@ def _run_job(hook, stack: dict[str, str], run_config: dict, run_dir: str, *, ran
     return run
 
 
+def _tracking_overhead(hook, stack: dict[str, str], run_config: dict, run_root: str, *, pairs: int,
+                       **job) -> dict:
+    """1-rank jobs of the same shape, alternating without and with live MLflow tracking (rank 0 logging to the
+    stack's real server, as a tracked nightly job does); the median rows/s of each side and their ratio."""
+    from hybridflow.hooks.mlflow import MlflowHook
+    from hybridflow.utils.mlflow_tracking import CREDENTIALS_FILE
+
+    mlflow = MlflowHook()
+    experiment_id = mlflow.experiment_id("bench-tracking-overhead")
+    rates: dict[str, list[float]] = {"untracked": [], "tracked": []}
+    live_points = []
+    for pair in range(pairs):
+        for side in ("untracked", "tracked"):
+            run_dir = f"{run_root}-tracking-{pair}-{side}"
+            config = dict(run_config)
+            try:
+                if side == "tracked":
+                    run = mlflow.create_run(experiment_id, f"bench-{pair}", {}, int(time.time() * 1000))
+                    hook.run(["mkdir", "-p", "--", run_dir])
+                    hook.write_private(f"{run_dir}/{CREDENTIALS_FILE}", json.dumps(mlflow.job_credentials()))
+                    config["tracking"] = {"uri": mlflow.tracking_uri_on_cluster, "run_id": run["info"]["run_id"],
+                                          "credentials_file": CREDENTIALS_FILE}
+                result = _run_job(hook, stack, config, run_dir, ranks=1, label=f"tracking-{pair}-{side}", **job)
+                rates[side].append(result["rows_per_s"])
+                if side == "tracked":
+                    points = len(mlflow.metric_history(run["info"]["run_id"], "loss"))
+                    live_points.append(points)
+                    mlflow.finish_run(run["info"]["run_id"], "FINISHED", int(time.time() * 1000))
+            finally:
+                hook.run(["rm", "-rf", "--", run_dir])
+    untracked, tracked = statistics.median(rates["untracked"]), statistics.median(rates["tracked"])
+    ratio = tracked / untracked
+    print(f"tracking overhead: {pairs} pairs of 1-rank jobs, median {untracked:.0f} rows/s untracked vs {tracked:.0f} "
+          f"tracked (ratio {ratio:.3f}); loss points logged live per tracked job: {live_points}", flush=True)
+    return {"tracked_over_untracked": round(ratio, 4), "slower_pct": round(100 * (1 - ratio), 2),
+            "untracked_rows_per_s": rates["untracked"], "tracked_rows_per_s": rates["tracked"],
+            "live_loss_points_per_job": live_points, "pairs": pairs}
+
+
 def _on_slurm(preset_name: str, zero_stage: int, threads: int) -> dict:
     """jobs/train.py at 1 and 2 ranks on one node of the local Slurm, one job after the other."""
     stack = _stack_environment()
@@ -401,6 +447,9 @@ def _on_slurm(preset_name: str, zero_stage: int, threads: int) -> dict:
         for ranks in JOB_RANKS:
             runs[ranks] = _run_job(hook, stack, run_config, run_dirs[ranks], ranks=ranks, tag=tag,
                                    partition=partition, timeout_s=timeout_s, env=env)
+        tracking = _tracking_overhead(hook, stack, run_config, f"{storage}/runs/bench-training-{tag}",
+                                      pairs=int(_setting("TRACKING_PAIRS", 3)), tag=tag, partition=partition,
+                                      timeout_s=timeout_s, env=env) if int(_setting("TRACKING_PAIRS", 3)) else None
     finally:
         if keep:
             print(f"kept {features} and {', '.join(run_dirs.values())} (BENCH_TRAINING_JOB_KEEP=1)", flush=True)
@@ -417,6 +466,7 @@ def _on_slurm(preset_name: str, zero_stage: int, threads: int) -> dict:
         "ranks_2_rows_per_s": two,
         "scaling_efficiency": round(two / (2 * one), 3),
         "allreduce_share_in_job": _measured(share),
+        "tracking_overhead": tracking or NOT_MEASURED,
         "runs": {f"ranks_{ranks}": run for ranks, run in runs.items()},
         "preset": preset_name,
         "micro_batch_per_rank": batch,
@@ -440,13 +490,16 @@ def main() -> dict:
     slurm = _on_slurm(preset_name, zero_stage, threads)  # first: the jobs need the cores this process would use
     result = _in_process(preset_name, zero_stage)
     result |= {key: slurm[key] for key in ("ranks_1_rows_per_s", "ranks_2_rows_per_s", "scaling_efficiency",
-                                           "allreduce_share_in_job")}
+                                           "allreduce_share_in_job", "tracking_overhead")}
+    tracking = result["tracking_overhead"]
+    tracked_ratio = tracking["tracked_over_untracked"] if isinstance(tracking, dict) else NOT_MEASURED
     result["slurm"] = slurm
     print(
         f"RESULT training ranks_1_rows_per_s={result['ranks_1_rows_per_s']} "
         f"ranks_2_rows_per_s={result['ranks_2_rows_per_s']} "
         f"scaling_efficiency={result['scaling_efficiency']} "
         f"allreduce_share_in_job={result['allreduce_share_in_job']} "
+        f"tracking_overhead={tracked_ratio} "
         f"deepspeed_steps_per_s={result['deepspeed_steps_per_s']} "
         f"torch_steps_per_s={result['torch_steps_per_s']} "
         f"deepspeed_rows_per_s={result['deepspeed_samples_per_s']} "

@@ -3,8 +3,9 @@
 
 One day's data through the whole estate: raw events -> **features** (Spark) -> **quality** gate -> **capacity**
 gate (`nodes` x `gpus` free) -> **training** (DeepSpeed on the Slurm GPU partition, one rank per GPU launched by
-`srun`, deferrable, resumable) -> **checkpoint** gate -> **evaluation** (challenger vs the model of record on the
-same holdout; promote only when better by the configured margin) -> **scoring** (Spark, with the model of record)
+`srun`, deferrable, resumable; or on the CPU partition, see `device`) -> **checkpoint** gate -> **evaluation**
+(challenger vs the model of record on the same holdout; promote only when better by the configured margin) ->
+**scoring** (Spark, with the model of record)
 -> **deploy** (Triton: readiness, smoke test, latency gate, promote or roll back) -> **report** (HTML + JSON:
 volumes, quality, loss curve, ranks, all-reduce share, GPU-hours, utilization, cost, latency).
 
@@ -12,6 +13,9 @@ volumes, quality, loss curve, ranks, all-reduce share, GPU-hours, utilization, c
 - Backfills (`airflow backfill create` or the UI) recompute features and re-score history with the model of record;
   they train or deploy only with `train=always` / `deploy=always`. Pools `spark` and `gpu_training` keep a
   backfill from flooding Spark or the GPU partition.
+- `device`: `auto` trains on the CPU partition when the preset's measured figures say a GPU does not pay off
+  (`placement` in include/config/pipeline.yaml: the small preset does not take a GPU), else on the GPU partition;
+  `gpu` / `cpu` ask for a side. The plan task logs the decision with its figures; the report shows it.
 - `dry_run=true` plans the run (what would train, on which partitions) and runs nothing.
 
 Runbooks: `include/runbooks/<stage>.md` for each stage (features, data-quality, capacity, training, evaluation,
@@ -24,7 +28,7 @@ from datetime import timedelta
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Asset, Param, TaskGroup, task
-from hybridflow.config import model_preset_names, pipeline_config
+from hybridflow.config import DEVICES, model_preset_names, pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS, spark_submit_defaults
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
@@ -50,6 +54,18 @@ def prepared_value(key: str, suffix: str = "") -> str:
     return "{{ ti.xcom_pull(task_ids='training.prepare')['" + key + "'] " + rendered + "}}" + suffix
 
 
+def planned_placement(key: str, before: str) -> str:
+    """A template for one field of the plan's training placement (CPU or GPU). A run planned before placement
+    existed (one of its tasks cleared after an upgrade) renders ``before``, a Jinja expression: its GPU job."""
+    plan = "(ti.xcom_pull(task_ids='preflight.plan') or {})"
+    return "{{ (" + plan + ".get('placement') or {}).get('" + key + "', " + before + ") }}"
+
+
+def prepared_or(key: str, before: str) -> str:
+    """A template for one field of training.prepare's result, ``before`` (Jinja) where an older prepare lacks it."""
+    return "{{ ti.xcom_pull(task_ids='training.prepare').get('" + key + "', " + before + ") }}"
+
+
 with DAG(
     dag_id="nightly_training",
     # A night that has passed is never started late (a backfill or an unpause would otherwise start last night at
@@ -71,7 +87,12 @@ with DAG(
         "nodes": Param(cfg.nodes, **integer(1, 64),
                        description="Nodes for the training job (data-parallel across nodes)."),
         "gpus": Param(cfg.gpus, **integer(1, 8),
-                      description="GPUs per node; one DeepSpeed rank per GPU (nodes x gpus ranks in all)."),
+                      description="GPUs per node; one DeepSpeed rank per GPU (nodes x gpus ranks in all). On the "
+                                  "CPU partition: as many CPU processes per node."),
+        "device": Param(cfg.device, type="string", enum=list(DEVICES),
+                        description="auto: CPU or GPU by the preset's measured throughput and cost per 1,000 rows "
+                                    "(pipeline.yaml placement; the small preset trains on the CPU partition); "
+                                    "gpu: the GPU partition; cpu: the CPU partition, no GPU."),
         "epochs": Param(cfg.epochs, **integer(1, 100),
                         description="Training epochs over the window (max_steps ends training earlier)."),
         "max_steps": Param(cfg.max_steps, **integer(1, 1_000_000),
@@ -87,12 +108,13 @@ with DAG(
     }),
 ) as dag:
 
-    @task(retries=0)  # a decision from params: a retry would decide the same
+    @task(retries=0)  # a decision from params and config: a retry would decide the same
     def plan(params=None, dag_run=None, ds=None) -> dict:
-        from hybridflow.pipeline.nightly import plan_run
+        from hybridflow.pipeline.nightly_tasks import plan as plan_nightly
 
-        decided = plan_run(dag_run.run_type, params, ds)
+        decided = plan_nightly(config, dag_run.run_type, params, ds)
         print(f"Plan for ds={ds}: {decided.reason}; train={decided.train}, deploy={decided.deploy_mode}")
+        print(f"Placement: {decided.placement['reason']}")
         if decided.dry_run:
             from airflow.sdk.exceptions import AirflowSkipException
 
@@ -124,7 +146,8 @@ with DAG(
 
             if not run_plan["train"]:
                 raise AirflowSkipException("this run does not train")
-            return check_latest_preflight(config, params["nodes"], params["gpus"])
+            side = (run_plan.get("placement") or {}).get("side", "gpu")  # a run planned before placement: GPU
+            return check_latest_preflight(config, params["nodes"], params["gpus"], side)
 
         run_plan = plan()
         raw_ready = raw_events_published()
@@ -153,20 +176,22 @@ with DAG(
 
         gate = quality_gate()
 
-    with TaskGroup("capacity", tooltip="free GPUs in the partition") as capacity:
+    with TaskGroup("capacity", tooltip="free GPUs (or nodes up) in the planned partition") as capacity:
         wait_for_gpus = SlurmCapacitySensor(
-            task_id="wait_for_gpus", partition=cluster.partition, nodes="{{ params.nodes }}",
-            gpus_per_node="{{ params.gpus }}",
+            task_id="wait_for_gpus", partition=planned_placement("partition", repr(cluster.partition)),
+            nodes="{{ params.nodes }}", gpus_per_node=planned_placement("gpus_per_node", "params.gpus"),
             ssh_conn_id=cluster.ssh_conn_id, deferrable=True, poke_interval=15, timeout=6 * 3600,
         )
 
-    with TaskGroup("training", tooltip="DeepSpeed on the Slurm GPU partition") as training:
+    with TaskGroup("training", tooltip="DeepSpeed on the planned Slurm partition (GPU or CPU)") as training:
 
         @task
         def prepare(params=None, ds=None, run_id=None) -> dict:
             from hybridflow.pipeline.nightly_tasks import prepare_training
 
-            return prepare_training(config, ds, run_id, params)
+            prepared_run = prepare_training(config, ds, run_id, params)
+            print(f"Evaluation placement: {prepared_run['evaluation_placement']['reason']}")
+            return prepared_run
 
         prepared = prepare()
         train = DeepSpeedTrainingOperator(
@@ -175,9 +200,10 @@ with DAG(
             run_dir=prepared_value("run_dir"),
             python=cluster.python,
             jobs_dir=cluster.jobs_dir,
-            partition=cluster.partition,
+            partition=planned_placement("partition", repr(cluster.partition)),
             nodes="{{ params.nodes }}",
-            gpus_per_node="{{ params.gpus }}",
+            gpus_per_node=planned_placement("gpus_per_node", "params.gpus"),  # 0 on the CPU partition: no GRES
+            ranks_per_node="{{ params.gpus }}",  # one rank per GPU, or as many CPU processes
             cpus_per_task=cfg.cpus_per_task,
             time_limit=cfg.time_limit_min,
             max_requeues=cluster.max_requeues,
@@ -185,6 +211,7 @@ with DAG(
             ssh_conn_id=cluster.ssh_conn_id,
             min_gpu_utilization_pct=cfg.min_gpu_utilization_pct,
             fail_on_low_utilization=cfg.fail_on_low_utilization,
+            mlflow_experiment=cfg.mlflow_experiment,
             pool="gpu_training",
             execution_timeout=timedelta(minutes=cfg.time_limit_min * (cluster.max_requeues + 1)),
             runbook="include/runbooks/training.md",
@@ -211,7 +238,10 @@ with DAG(
                      "--challenger", prepared_value("run_dir", "/export/model.pt"),
                      "--champion", prepared_value("champion_model"),
                      "--out", prepared_value("run_dir", "/evaluation.json")],
-            partition="cpu", cpus_per_task=1, time_limit=15, requeue=False, signal=None,
+            # CPU or GPU by the pair's scoring cost (prepare decided it: pipeline.yaml placement.evaluation)
+            partition=prepared_or("eval_partition", "'cpu'"), gpus_per_node=prepared_or("eval_gpus", "0"),
+            hide_gpus_without_gres=True,
+            cpus_per_task=1, time_limit=15, requeue=False, signal=None,
             log_dir=prepared_value("run_dir", "/logs"),
             ssh_conn_id=cluster.ssh_conn_id, poll_interval_s=3,
             runbook="include/runbooks/evaluation.md",

@@ -6,7 +6,9 @@ and routes it to the CPU or GPU side by the rules in `include/config/routing.yam
 does: ETL, features and batch scoring run on CPUs (Spark, or the Slurm `cpu` partition); training and
 low-latency inference on GPUs (the `gpu-training` partition, Triton). A measured profile can move a workload:
 a large batch measured much faster on a GPU goes there, a model too small to use a GPU does not, realtime
-serving stays on CPU while CPU p99 meets the latency budget. ETL never goes to GPUs.
+serving stays on CPU while CPU p99 meets the latency budget. Training that names a model `preset` (and no
+deciding profile) goes where nightly_training's placement rule sends that preset (measured rows/s and cost per
+1,000 rows in pipeline.yaml `placement`: the small preset trains on the `cpu` partition). ETL never goes to GPUs.
 
 - `route` validates the spec against the rules and logs the decision and why; an unknown type, config field
   or profile figure is refused with what is accepted.
@@ -72,11 +74,11 @@ with DAG(
         from hybridflow.exceptions import HybridflowError, WorkloadSpecError
         from hybridflow.paths import jobs_dir
         from hybridflow.pipeline.nightly_tasks import model_of_record
-        from hybridflow.pipeline.routing import WorkloadSpec, plan_job, triton_deploy_plan
+        from hybridflow.pipeline.routing import WorkloadSpec, plan_job, preset_router, triton_deploy_plan
         from hybridflow.pipeline.routing import route as decide
 
         try:  # a refused spec is refused again on retry: fail at once
-            decision = decide(WorkloadSpec.from_params(params), rules)
+            decision = decide(WorkloadSpec.from_params(params), rules, preset_router(config))
         except WorkloadSpecError as exc:
             raise AirflowFailException(f"workload refused: {exc}. Runbook: {RUNBOOK}") from exc
         run_dir = config.storage.layout.router_run_dir(run_id)

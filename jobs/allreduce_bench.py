@@ -77,7 +77,9 @@ def measure(rank: int, world: int, args: argparse.Namespace, local_rank: int = 0
         torch.cuda.set_device(device)
     cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
     torch.set_num_threads(cpus or max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    # bound to the rank's GPU: NCCL otherwise guesses it from the global rank (and warns)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                            **({"device_id": device} if use_cuda else {}))
     try:
         names: list[str] = [""] * world
         dist.all_gather_object(names, node_name(os.environ, socket.gethostname()))

@@ -103,6 +103,9 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
         return xcom(api, NIGHTLY, run_id, task_id) or {}
 
     lines = []
+    placement = get("preflight.plan").get("placement") or {}
+    if placement:
+        lines.append(f"placement: {placement.get('reason')}")
     figures = get("quality.quality_gate").get("figures") or {}
     if figures:
         lines.append(f"features: {figures.get('raw_rows')} raw rows -> {figures.get('feature_rows')} customers, "
@@ -156,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     logical_date = None
     conf = json.loads(args.conf)
     if args.dag == NIGHTLY:
-        # The demo trains data-parallel: two ranks (two emulated GPUs) unless --conf says otherwise.
+        # The demo trains data-parallel on the GPU partition: two ranks (two emulated GPUs) unless --conf says
+        # otherwise (device=auto would put the small preset on the CPU partition: pipeline.yaml placement).
         conf.setdefault("gpus", DEMO_GPUS)
+        conf.setdefault("device", "gpu")
         ensure_fresh_preflight(api, storage_root, args.timeout, conf.get("nodes", 1), conf["gpus"])
         ds = date.fromisoformat(args.ds) if args.ds else date.today() - timedelta(days=1)
         # A fresh timestamp on the requested day: the run's ds is that day, and a rerun is a new run of it.

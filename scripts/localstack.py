@@ -8,8 +8,9 @@
 
 The cluster side (munge, MariaDB, slurmdbd, slurmctld, one slurmd per node, sshd and the shared storage) lives under the
 profile's `cluster_dir` (default /var/lib/hybridflow) because the daemons' users (slurm, mysql, munge, the job
-user) must traverse it; the Airflow side (Airflow home, Spark standalone, Triton, the S3 endpoint, generated
-keys, PID files) lives under `.state/` in the checkout. Standard library only: it runs before any venv exists.
+user) must traverse it; the Airflow side (Airflow home, Spark standalone, Triton, the S3 endpoint, MLflow's
+config, generated keys, PID files) lives under `.state/` in the checkout. Standard library only: it runs before
+any venv exists.
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-import pgstack  # scripts/ is on sys.path: this script's own folder
+import mlflowstack  # scripts/ is on sys.path: this script's own folder
+import pgstack
 
 REPO = Path(__file__).resolve().parent.parent
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state")).resolve()
 PROFILE = Path(os.environ.get("HYBRIDFLOW_PROFILE", REPO / "include/profiles/local.json")).resolve()
 VENV = REPO / ".venv"
 SERVING_VENV = REPO / ".venv-serving"
+MLFLOW_VENV = REPO / ".venv-mlflow"
 
 APT_PACKAGES = [
     "munge", "slurmctld", "slurmd", "slurm-client", "slurmdbd", "mariadb-server", "openssh-server", "openssh-client",
@@ -120,6 +123,7 @@ class Paths:
     airflow_home = STATE / "airflow"
     spark = STATE / "spark"
     triton = STATE / "triton"
+    mlflow = STATE / "mlflow"  # the MLflow server's config and home: its user's, 0700
     local_secrets = STATE / "secrets"
 
 
@@ -141,6 +145,13 @@ STORAGE_GROUP = STACK.get("storage_group", SERVICE_USER)
 # Files the services and the jobs create in the shared storage stay writable by the group.
 SHARED_UMASK = 0o002
 SERVICE_USER_SERVICES = ("airflow-", "spark-")
+# The MLflow server runs as a user of its own: Airflow's tasks (the service user) cannot read its auth store, its
+# admin password or its database password; Airflow logs in to it as an ordinary MLflow user.
+MLFLOW_USER = STACK.get("mlflow_user", "mlflow")
+MLFLOW_CLIENT_USER = "airflow"
+MLFLOW_LOGIN = pgstack.Login("mlflow", "mlflow", "postgres-mlflow")  # its role and database in PostgreSQL
+# Every ensure_cluster call names the same logins: pg_hba.conf admits only those.
+POSTGRES_MORE_LOGINS = [MLFLOW_LOGIN]
 # Airflow's metadata database: PostgreSQL (the default), or SQLite in the Airflow home when asked for
 # (HYBRIDFLOW_METADATA_DB=sqlite, or the profile's `metadata_db`): fine for trying it out, not for load.
 METADATA_DB = os.environ.get("HYBRIDFLOW_METADATA_DB", STACK.get("metadata_db", "postgres"))
@@ -290,20 +301,26 @@ class Service:
         return pid
 
 
+def as_user(user: str, env: dict | None = None, umask: int = 0o077, home: Path | None = None) -> dict:
+    """Popen arguments that run a process as an unprivileged user, with its groups, its home (or `home`) and
+    `umask` (root opens the log file first and hands the process the open descriptor)."""
+    pw = pwd.getpwnam(user)
+    names = {"HOME": str(home or pw.pw_dir), "USER": user, "LOGNAME": user}
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": os.getgrouplist(user, pw.pw_gid),
+            "umask": umask, "env": dict(env if env is not None else os.environ, **names)}
+
+
 def as_service_user(env: dict | None = None) -> dict:
-    """Popen arguments that run a process as the unprivileged service user, with its groups, its home and the
-    shared umask (root opens the log file first and hands the process the open descriptor)."""
-    pw = pwd.getpwnam(SERVICE_USER)
-    home = {"HOME": pw.pw_dir, "USER": SERVICE_USER, "LOGNAME": SERVICE_USER}
-    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": os.getgrouplist(SERVICE_USER, pw.pw_gid),
-            "umask": SHARED_UMASK, "env": dict(env if env is not None else os.environ, **home)}
+    """Popen arguments that run a process as the service user, with the shared umask."""
+    return as_user(SERVICE_USER, env, SHARED_UMASK)
 
 
 def spawn(cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path | None = None,
-          service_user: bool = False) -> int:
-    """Start a foreground-style process in its own session, so `down` can stop it and its children."""
+          service_user: bool = False, identity: dict | None = None) -> int:
+    """Start a foreground-style process in its own session, so `down` can stop it and its children. `identity`
+    (from as_user) runs it as another user."""
     logfile.parent.mkdir(parents=True, exist_ok=True)
-    identity = as_service_user(env) if service_user else {"env": env}
+    identity = identity or (as_service_user(env) if service_user else {"env": env})
     with open(logfile, "ab") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
@@ -376,24 +393,36 @@ def ensure_service_user() -> None:
             run(["usermod", "--append", "--groups", STORAGE_GROUP, user])
 
 
-def ensure_checkout_reachable() -> None:
-    """The service user runs this checkout's DAGs, plugins and venv: every directory above it must let it pass.
-    A clone under a private directory (/root) gets a traverse-only ACL entry for that user, nothing more."""
-    if not (VENV / "bin/python").exists():
-        raise RuntimeError(f"no venv at {VENV}: run `make venv` (or `make up`) first")
-    probe = [str(VENV / "bin/python"), "-c", "import os, sys; os.listdir(sys.argv[1])", str(REPO / "dags")]
-    if run(probe, check=False, **as_service_user()).returncode == 0:
+def ensure_mlflow_user() -> None:
+    """The MLflow server's own system user (no login, no home of its own: it lives in .state/mlflow)."""
+    try:
+        pwd.getpwnam(MLFLOW_USER)
+    except KeyError:
+        log(f"creating the MLflow server's user {MLFLOW_USER}")
+        run(["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent", "--shell",
+             "/usr/sbin/nologin", MLFLOW_USER])
+
+
+def ensure_checkout_reachable(user: str = SERVICE_USER, venv: Path = VENV, probe_dir: Path = REPO / "dags") -> None:
+    """The service user runs this checkout's DAGs, plugins and venv (MLflow's user its venv and scripts/): every
+    directory above it must let that user pass. A clone under a private directory (/root) gets a traverse-only
+    ACL entry for the user, nothing more."""
+    python = venv / "bin/python"
+    if not python.exists():
+        raise RuntimeError(f"no venv at {venv}: run `make venv` (or `make up`) first")
+    probe = [str(python), "-c", "import os, sys; os.listdir(sys.argv[1])", str(probe_dir)]
+    if run(probe, check=False, **as_user(user)).returncode == 0:
         return
     for parent in reversed(REPO.parents):
         if not parent.stat().st_mode & 0o001:
             if not shutil.which("setfacl"):
-                raise RuntimeError(f"{SERVICE_USER} cannot reach {REPO}: {parent} is closed to others; "
+                raise RuntimeError(f"{user} cannot reach {REPO}: {parent} is closed to others; "
                                    f"clone elsewhere (e.g. /srv) or apt-get install acl")
-            log(f"letting {SERVICE_USER} traverse {parent} (ACL u:{SERVICE_USER}:--x)")
-            run(["setfacl", "-m", f"u:{SERVICE_USER}:x", str(parent)])
-    done = run(probe, check=False, **as_service_user())
+            log(f"letting {user} traverse {parent} (ACL u:{user}:--x)")
+            run(["setfacl", "-m", f"u:{user}:x", str(parent)])
+    done = run(probe, check=False, **as_user(user))
     if done.returncode != 0:
-        raise RuntimeError(f"{SERVICE_USER} cannot run {VENV / 'bin/python'} on {REPO / 'dags'}: {done.stderr.strip()}"
+        raise RuntimeError(f"{user} cannot run {python} on {probe_dir}: {done.stderr.strip()}"
                            "; the venv must come from an interpreter outside /root (make venv uses /usr/bin/python3)")
 
 
@@ -967,7 +996,7 @@ def postgres_ready() -> bool:
 
 
 def start_postgres() -> int:
-    pgstack.ensure_cluster(P.postgres, postgres_port(), P.local_secrets, log)
+    pgstack.ensure_cluster(P.postgres, postgres_port(), P.local_secrets, log, POSTGRES_MORE_LOGINS)
     return pgstack.start(P.postgres, postgres_port(), P.logs / "postgres.log")
 
 
@@ -975,6 +1004,125 @@ def metadata_db_url() -> str:
     if METADATA_DB == "sqlite":
         return f"sqlite:///{P.airflow_home / 'airflow.db'}"
     return pgstack.sqlalchemy_url(pgstack.ensure_password(P.local_secrets), postgres_port())
+
+
+# ---------------------------------------------------------------------------------------------- mlflow
+def mlflow_port() -> int:
+    return int(STACK.get("mlflow_port", 5000))
+
+
+def mlflow_url() -> str:
+    return f"http://127.0.0.1:{mlflow_port()}"
+
+
+def mlflow_artifacts_destination() -> str:
+    return f"s3://{STACK.get('mlflow_artifacts_bucket', 'hybridflow-mlflow')}"
+
+
+def mlflow_store_uris() -> tuple[str, str]:
+    """(tracking and registry store, auth store): the database and role `mlflow` in this checkout's PostgreSQL,
+    the password in a libpq password file (the auth tables keep their own alembic version table beside the
+    tracking tables); SQLite files in the server's folder when the stack runs without PostgreSQL."""
+    if METADATA_DB == "sqlite":
+        return f"sqlite:///{P.mlflow / 'mlflow.db'}", f"sqlite:///{P.mlflow / 'auth.db'}"
+    uri = f"postgresql+psycopg2://{MLFLOW_LOGIN.role}@127.0.0.1:{postgres_port()}/{MLFLOW_LOGIN.database}"
+    return uri, uri
+
+
+def mlflow_admin() -> tuple[str, str]:
+    return mlflowstack.ADMIN_USERNAME, secret("mlflow-admin-password", P.local_secrets)
+
+
+def mlflow_client_password() -> str:
+    """Airflow's MLflow password (the `airflow` MLflow user, no admin)."""
+    return secret("mlflow-airflow-password", P.local_secrets)
+
+
+def mlflow_files() -> dict[Path, str]:
+    """The server's own files (0600, its user's) and their text, rendered from the generated secrets in
+    .state/secrets: the auth config, the S3 credentials and (with PostgreSQL) the libpq password file."""
+    files = {
+        P.mlflow / "auth.ini": mlflowstack.auth_ini(mlflow_store_uris()[1], mlflow_admin()[1]),
+        P.mlflow / "aws-credentials": mlflowstack.aws_credentials(secret("s3-access-key", P.local_secrets, 12),
+                                                                  secret("s3-secret-key", P.local_secrets)),
+    }
+    if METADATA_DB == "postgres":
+        db_password = pgstack.ensure_password(P.local_secrets, name=MLFLOW_LOGIN.password_file)
+        files[P.mlflow / "pgpass"] = pgstack.pgpass_line(db_password, postgres_port(), MLFLOW_LOGIN.role,
+                                                         MLFLOW_LOGIN.database)
+    return files
+
+
+def mlflow_server_env() -> dict[str, str]:
+    return mlflowstack.server_env(
+        home=P.mlflow, auth_config=P.mlflow / "auth.ini", pgpass=P.mlflow / "pgpass",
+        aws_credentials_file=P.mlflow / "aws-credentials", s3_endpoint=f"http://127.0.0.1:{STACK['s3_port']}",
+        flask_secret_key=secret("mlflow-flask-secret-key", P.local_secrets, 32),
+        path=f"{MLFLOW_VENV / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin",
+    )
+
+
+def mlflow_command() -> list[str]:
+    return mlflowstack.server_command(MLFLOW_VENV / "bin/mlflow", mlflow_port(), mlflow_store_uris()[0],
+                                      mlflow_artifacts_destination(), int(STACK.get("mlflow_workers", 1)))
+
+
+def mlflow_config_digest() -> str:
+    """What a server is started with (command, environment, files): `up` restarts a running one when it changed."""
+    config = [mlflow_command(), mlflow_server_env(), {str(path): text for path, text in mlflow_files().items()}]
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def write_mlflow_files() -> dict[str, str]:
+    """The server's folder (its user's, 0700, reached through .state by a traverse-only ACL entry) and files;
+    returns the server's environment."""
+    ensure_dir(P.mlflow, owner=MLFLOW_USER, mode=0o700)
+    run(["setfacl", "-m", f"u:{MLFLOW_USER}:x", str(STATE)])
+    for path, text in mlflow_files().items():
+        write_if_changed(path, text, 0o600, MLFLOW_USER)
+    return mlflow_server_env()
+
+
+def mlflow_venv_run(*args: str, env: dict) -> str:
+    """scripts/mlflowstack.py in MLflow's venv, as its user, with the server's environment; its output."""
+    return run([str(MLFLOW_VENV / "bin/python"), str(REPO / "scripts/mlflowstack.py"), *args], cwd=P.mlflow,
+               **as_user(MLFLOW_USER, env, home=P.mlflow)).stdout.strip()
+
+
+def ensure_mlflow_bucket(env: dict) -> None:
+    """The artifact bucket, after the S3 endpoint or MLflow (re)started: moto keeps buckets in memory."""
+    wait_for("s3 (MLflow's artifact store)", s3_ready, 60, P.logs / "s3.log")
+    if mlflow_venv_run("ensure-bucket", mlflow_artifacts_destination(), env=env) == "created":
+        log(f"mlflow: created the artifact bucket {mlflow_artifacts_destination()}")
+
+
+def start_mlflow() -> int:
+    if not (MLFLOW_VENV / "bin/mlflow").exists():
+        raise RuntimeError(f"no MLflow venv at {MLFLOW_VENV}: run `make venv` (or `make up`) first")
+    ensure_mlflow_user()
+    ensure_checkout_reachable(MLFLOW_USER, MLFLOW_VENV, REPO / "scripts")
+    if METADATA_DB == "postgres":
+        # Its role and database, also in a cluster that an older version created (the server is up: cmd_up).
+        pgstack.ensure_cluster(P.postgres, postgres_port(), P.local_secrets, log, POSTGRES_MORE_LOGINS)
+    env = write_mlflow_files()
+    # Its bucket is made once the S3 endpoint is up (cmd_up): the server needs it only for artifact requests.
+    return spawn(mlflow_command(), P.logs / "mlflow.log", cwd=P.mlflow,
+                 identity=as_user(MLFLOW_USER, env, home=P.mlflow))
+
+
+def mlflow_ready() -> bool:
+    return http_ok(f"{mlflow_url()}/health")
+
+
+def ensure_mlflow_accounts() -> None:
+    """The admin logs in with the password in .state/secrets, and Airflow's ordinary user with its own; the auth
+    store is corrected when either does not (the first start, or the store kept in PostgreSQL by `make clean`)."""
+    client = (MLFLOW_CLIENT_USER, mlflow_client_password())
+    if all(mlflowstack.authenticates(mlflow_url(), login) for login in (mlflow_admin(), client)):
+        return
+    env = dict(write_mlflow_files(), MLFLOW_USER_NAME=client[0], MLFLOW_USER_PASSWORD=client[1])
+    for change in mlflow_venv_run("ensure-accounts", env=env).splitlines():
+        log(f"mlflow: {change}")
 
 
 # ---------------------------------------------------------------------------------------------- airflow
@@ -1007,6 +1155,8 @@ def render_connections() -> dict[str, dict]:
         known_hosts_file=str(P.ssh_client / "known_hosts"),
         s3_access_key=secret("s3-access-key", P.local_secrets, 12),
         s3_secret_key=secret("s3-secret-key", P.local_secrets),
+        mlflow_login=MLFLOW_CLIENT_USER,
+        mlflow_password=mlflow_client_password(),
     )
     return {conn_id: fill_placeholders(spec, values) for conn_id, spec in PROF["connections"].items()}
 
@@ -1056,8 +1206,14 @@ def airflow_env() -> dict[str, str]:
         "SPARK_LOCAL_IP": "127.0.0.1",
         # No upstream producer here: the nightly pipeline generates the day's raw events itself.
         "HYBRIDFLOW_SIMULATE_RAW": "true",
-        # Loopback gloo on 2 shared cores spends ~30% of a small model's step in all-reduce (pipeline.yaml).
-        "HYBRIDFLOW_MAX_ALLREDUCE_SHARE": "0.5",
+        # Loopback gloo on 2 shared cores spends ~20-30% of a small model's step in all-reduce (pipeline.yaml), and
+        # 55-58% while the test suite loads the cores (measured 2026-12-04, 2 nodes x 1 rank): latency, not a network
+        # fault, so the local limit leaves room for it.
+        "HYBRIDFLOW_MAX_ALLREDUCE_SHARE": "0.75",
+        # MLflow's client reads these: the tracking server, and Airflow's own MLflow account (not the admin).
+        "MLFLOW_TRACKING_URI": mlflow_url(),
+        "MLFLOW_TRACKING_USERNAME": MLFLOW_CLIENT_USER,
+        "MLFLOW_TRACKING_PASSWORD": mlflow_client_password(),
         "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
     }
     for conn_id, spec in render_connections().items():
@@ -1156,6 +1312,8 @@ def services() -> list[Service]:
         *([Service("postgres", postgres_ready, start_postgres, comm="postgres",
                    endpoint=f"127.0.0.1:{postgres_port()}", logfile=P.logs / "postgres.log")]
           if METADATA_DB == "postgres" else []),
+        Service("mlflow", mlflow_ready, start_mlflow, comm="mlflow", endpoint=mlflow_url(),
+                logfile=P.logs / "mlflow.log", timeout=90),
         Service("airflow-api-server", airflow_api_ready, lambda: start_airflow_component("api-server"),
                 comm="airflow", endpoint=f"http://127.0.0.1:{api}", logfile=P.logs / "airflow-api-server.log",
                 timeout=90),
@@ -1208,15 +1366,16 @@ def cmd_up(names: list[str]) -> int:
     deploy_jobs()
     write_airflow_files()
     chosen = by_name(names)
-    if any(s.name.startswith("airflow") for s in chosen):
-        # The metadata database first: the migration below and every component need it.
-        for db in by_name(["postgres"] if METADATA_DB == "postgres" else []):
+    if any(s.name.startswith("airflow") or s.name == "mlflow" for s in chosen):
+        # The database first: Airflow's migration below, every Airflow component and MLflow need it.
+        for db in by_name(["postgres"]) if METADATA_DB == "postgres" else []:  # by_name([]) would be all
             if not db.ready():
                 log("postgres: starting")
                 db.pidfile.write_text(f"{db.start()}\n")
                 wait_for(db.name, db.ready, db.timeout, db.logfile)
                 log("postgres: ready")
             chosen = [s for s in chosen if s.name != db.name]
+    if any(s.name.startswith("airflow") for s in chosen):
         migrate_airflow_db()
     if any(s.name.startswith(SLURM_SERVICES) for s in chosen) and reconcile_slurm_config():
         # Restarted on a changed configuration: the controller and every node come back, whatever was asked.
@@ -1227,12 +1386,16 @@ def cmd_up(names: list[str]) -> int:
         log("triton: replacing the server started without the guard")
         stop_pid("triton", unguarded)
     pending: list[Service] = []
+    started: set[str] = set()
     env_digest = hashlib.sha256(json.dumps(airflow_env(), sort_keys=True).encode()).hexdigest()
+    # What a running Airflow component or MLflow server was started with: it keeps that until restarted.
+    digests = {svc.name: env_digest if svc.name.startswith("airflow") else mlflow_config_digest()
+               for svc in chosen if svc.name.startswith("airflow") or svc.name == "mlflow"}
     # Airflow's components are the slowest to start and need nothing from the cluster: start them first.
     for svc in sorted(chosen, key=lambda svc: not svc.name.startswith("airflow")):
         stamp = P.run_dir / f"{svc.name}.env"
-        restart = bool(svc.name.startswith("airflow") and svc.owned_pid() and stamp.exists()
-                       and stamp.read_text() != env_digest)
+        restart = bool(svc.name in digests and svc.owned_pid() and stamp.exists()
+                       and stamp.read_text() != digests[svc.name])
         if restart:
             # A running component keeps the environment it was started with (connections included).
             log(f"{svc.name}: environment changed since it started; restarting it")
@@ -1252,11 +1415,12 @@ def cmd_up(names: list[str]) -> int:
             pending.append(svc)
             continue
         log(f"{svc.name}: starting")
+        started.add(svc.name)
         pid = svc.start()
         if pid:
             svc.pidfile.write_text(f"{pid}\n")
-        if svc.name.startswith("airflow"):
-            stamp.write_text(env_digest)
+        if svc.name in digests:
+            stamp.write_text(digests[svc.name])
         # Daemons that others depend on must be ready before the next starts; the leaves are waited for below.
         if svc.name in ("munge", "mariadb", "slurmdbd", "slurmctld"):
             wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)
@@ -1265,8 +1429,29 @@ def cmd_up(names: list[str]) -> int:
     for svc in pending:
         wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)
         log(f"{svc.name}: ready")
+    mlflow = by_name(["mlflow"])[0]
+    if started & {"s3", "mlflow"} and mlflow.owned_pid():
+        ensure_mlflow_bucket(write_mlflow_files())
+    if any(s.name == "mlflow" for s in chosen) and mlflow.owned_pid():
+        ensure_mlflow_accounts()
+        import_file_registry()
     log(f"up in {time.monotonic() - t0:.1f} s")
     return cmd_status(names, as_json=False)
+
+
+def import_file_registry() -> None:
+    """The suite's earlier file registry (models/<name>/registry.json) into MLflow, once: the module renames the
+    file when done, so this is a check of one path on every later `up`."""
+    found = sorted((P.storage / "models").glob("*/registry.json"))
+    if not found:
+        return
+    log(f"importing {', '.join(map(str, found))} into the MLflow model registry (nightly.model_name's)")
+    done = run([str(VENV / "bin/python"), "-m", "hybridflow.pipeline.registry", "import-json"], cwd=REPO, check=False,
+               **as_service_user(dict(os.environ, **airflow_env())))
+    if done.returncode != 0:
+        sys.exit(f"importing the file registry failed (exit {done.returncode}): {done.stderr[-2000:]}; the stack is "
+                 "up: fix what it says and run `make up` again (the import resumes without duplicates)")
+    log(f"registry import: {done.stdout.strip()}")
 
 
 def stop_pid(name: str, pid: int, group: bool = True) -> None:
@@ -1325,6 +1510,9 @@ def cmd_status(names: list[str], as_json: bool) -> int:
         if any(r["service"] == "airflow-api-server" and r["up"] for r in rows):
             print(f"Airflow UI: http://127.0.0.1:{STACK['airflow_api_port']}  login: admin, password in "
                   f"{P.airflow_home / 'passwords.json'}")
+        if any(r["service"] == "mlflow" and r["up"] for r in rows):
+            print(f"MLflow UI: {mlflow_url()}  login: {mlflowstack.ADMIN_USERNAME}, password in "
+                  f"{P.local_secrets / 'mlflow-admin-password'} (Airflow's user: {MLFLOW_CLIENT_USER})")
     return 0 if all(r["up"] for r in rows) else 1
 
 

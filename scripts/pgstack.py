@@ -1,6 +1,7 @@
 """Debian's PostgreSQL as the local stack's Airflow metadata database, without systemd (standard library only).
 
     url = ensure_cluster(data_dir, port, secrets_dir, log)   # initdb once, config, role + database; the URL
+    ensure_cluster(..., more_logins=[Login("mlflow", "mlflow", "postgres-mlflow")])  # other roles, own databases
     pid = start(data_dir, port, logfile)                     # the postmaster, as `postgres`, in its own session
     ready(port)                                              # accepting connections on 127.0.0.1:port?
     stop(pid)                                                # fast shutdown: SIGINT to the postmaster only
@@ -8,9 +9,10 @@
 The cluster is our own (its own data directory, port and socket directory), never Debian's default
 `/var/lib/postgresql/<ver>/main`, which the package creates at install time and which is left alone (and never
 started: packages are installed with a policy-rc.d that exits 101). It listens on 127.0.0.1 only; TCP logins need
-a SCRAM-SHA-256 password and only the `airflow` role may log in to the `airflow` database that way; the superuser
+a SCRAM-SHA-256 password and only the `airflow` role may log in to the `airflow` database that way (and each
+further login named by the caller to its own database: MLflow's); the superuser
 `postgres` logs in over the unix socket by peer authentication only (socket directory inside the data directory,
-0700). The generated password lives in a 0600 file in `secrets_dir`; only its SCRAM verifier ever reaches the
+0700). Each generated password lives in a 0600 file in `secrets_dir`; only its SCRAM verifier ever reaches the
 server, over psql's stdin, so it is in no process list, no shell string and no server log.
 
 Stopping: SIGINT to the postmaster (fast shutdown: ends the sessions, writes a checkpoint, exits; what
@@ -37,8 +39,9 @@ import subprocess
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 PG_VERSION = "15"  # Debian 12 (bookworm)
 APT_PACKAGES = [f"postgresql-{PG_VERSION}", f"postgresql-client-{PG_VERSION}"]
@@ -55,6 +58,17 @@ SOCKET_SUBDIR = "run"  # in the data directory
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
 
 Log = Callable[[str], None]
+
+
+class Login(NamedTuple):
+    """A role that logs in over TCP with a SCRAM password to the one database it owns."""
+
+    role: str
+    database: str
+    password_file: str  # in secrets_dir
+
+
+AIRFLOW_LOGIN = Login(ROLE, DATABASE, PASSWORD_FILE)
 
 
 # ---------------------------------------------------------------------------------------------- pure builders
@@ -134,18 +148,19 @@ default_text_search_config = 'pg_catalog.english'
 """
 
 
-def pg_hba_conf(role: str = ROLE, database: str = DATABASE) -> str:
-    """Peer authentication for the superuser over the socket; SCRAM for the one role and database over loopback;
-    everything else refused (no line matches)."""
-    for name in (role, database):
+def pg_hba_conf(role: str = ROLE, database: str = DATABASE, more: Sequence[tuple[str, str]] = ()) -> str:
+    """Peer authentication for the superuser over the socket; SCRAM over loopback for the role and its database
+    (and each further (role, database) pair in `more`); everything else refused (no line matches)."""
+    pairs = [(role, database), *more]
+    for name in (name for pair in pairs for name in pair):
         if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
             raise ValueError(f"unsupported role or database name {name!r}")
+    hosts = "".join(f"host    {db:<9} {user:<9} 127.0.0.1/32   scram-sha-256\n" for user, db in pairs)
     return f"""\
 # Written by scripts/pgstack.py; rewritten at every `make up`.
 # TYPE  DATABASE  USER      ADDRESS        METHOD
 local   all       {PG_USER:<9} {'':<14} peer
-host    {database:<9} {role:<9} 127.0.0.1/32   scram-sha-256
-"""
+{hosts}"""
 
 
 def sqlalchemy_url(password: str, port: int, role: str = ROLE, database: str = DATABASE,
@@ -156,6 +171,17 @@ def sqlalchemy_url(password: str, port: int, role: str = ROLE, database: str = D
         return urllib.parse.quote(value, safe="")
 
     return f"postgresql+psycopg2://{q(role)}:{q(password)}@{host}:{int(port)}/{q(database)}"
+
+
+def pgpass_line(password: str, port: int, role: str, database: str, host: str = "127.0.0.1") -> str:
+    """One line of a libpq password file (PGPASSFILE): a client then connects with a URL that holds no password,
+    so the password is in no command line, environment or log. ':' and '\\' are escaped as libpq expects."""
+    def esc(value: str) -> str:
+        if "\n" in value or "\r" in value:
+            raise ValueError("a line break cannot be written to a password file")
+        return value.replace("\\", "\\\\").replace(":", "\\:")
+
+    return f"{esc(host)}:{int(port)}:{esc(database)}:{esc(role)}:{esc(password)}\n"
 
 
 def scram_verifier(password: str, salt: bytes | None = None, iterations: int = 4096) -> str:
@@ -255,15 +281,15 @@ def missing_binaries() -> list[str]:
     return [b for b in REQUIRED_BINARIES if not os.access(b, os.X_OK)]
 
 
-def ensure_password(secrets_dir: Path, nbytes: int = 24) -> str:
-    """The `airflow` role's password: generated once into a file that is 0600 from its first byte (written to a
-    private temporary file, then linked into place, so a reader never sees it half written and two concurrent
-    callers agree on one password)."""
+def ensure_password(secrets_dir: Path, nbytes: int = 24, name: str = PASSWORD_FILE) -> str:
+    """A role's password (the `airflow` role's by default): generated once into a file that is 0600 from its first
+    byte (written to a private temporary file, then linked into place, so a reader never sees it half written and
+    two concurrent callers agree on one password)."""
     secrets_dir = Path(secrets_dir)
-    path = secrets_dir / PASSWORD_FILE
+    path = secrets_dir / name
     if not path.exists():
         secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = secrets_dir / f".{PASSWORD_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp = secrets_dir / f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.fchmod(fd, 0o600)  # O_CREAT's mode is masked by the umask: never wider, maybe narrower
@@ -496,9 +522,9 @@ def _initdb(data_dir: Path, log: Log) -> None:
                       "--locale", "C.UTF-8", "--auth-local", "peer", "--auth-host", "scram-sha-256"])
 
 
-def _provision(data_dir: Path, port: int, password: str, log: Log) -> None:
+def _provision(data_dir: Path, port: int, password: str, log: Log, login: Login = AIRFLOW_LOGIN) -> None:
     script = provision_script(scram_verifier(password))
-    variables = {"role": ROLE, "db": DATABASE}
+    variables = {"role": login.role, "db": login.database}
     info = postmaster_info(data_dir)
     if info:  # the running server, on the port and socket it was started with
         psql(script, Path(info["socket_dir"]), int(info["port"]), variables)
@@ -518,11 +544,17 @@ def _provision(data_dir: Path, port: int, password: str, log: Log) -> None:
                 log(f"postgres: the temporary server (pid {pid}) did not stop")
 
 
-def ensure_cluster(data_dir: Path, port: int, secrets_dir: Path, log: Log) -> str:
+def provisioned_stamp(login: Login) -> str:
+    """The data directory's record of a login's role, database and password (the airflow one keeps its name)."""
+    return PROVISIONED_STAMP if login == AIRFLOW_LOGIN else f"{PROVISIONED_STAMP}-{login.role}"
+
+
+def ensure_cluster(data_dir: Path, port: int, secrets_dir: Path, log: Log, more_logins: Sequence[Login] = ()) -> str:
     """Idempotently: initdb a cluster owned by `postgres` in data_dir, (re)write its configuration, create or
-    update the role and database `airflow` with the password from secrets_dir. Returns the SQLAlchemy URL.
-    Works with the server stopped (a temporary socket-only server does the SQL) or running (reloaded when its
-    configuration changed). The parents of data_dir must be traversable by the postgres user."""
+    update the role and database `airflow` (and each of `more_logins`) with the password from secrets_dir. Returns
+    the SQLAlchemy URL of `airflow`. Works with the server stopped (a temporary socket-only server does the SQL)
+    or running (reloaded when its configuration changed). The parents of data_dir must be traversable by the
+    postgres user. Every caller must name the same `more_logins`: pg_hba.conf lets in only the logins named."""
     missing = missing_binaries()
     if missing:
         raise RuntimeError(f"PostgreSQL is not installed (missing {', '.join(missing)}): "
@@ -536,17 +568,19 @@ def ensure_cluster(data_dir: Path, port: int, secrets_dir: Path, log: Log) -> st
     os.chown(sock_dir, uid, gid)
     sock_dir.chmod(0o700)
     changed = _write_owned(data_dir / "postgresql.conf", postgresql_conf(port, sock_dir))
-    changed |= _write_owned(data_dir / "pg_hba.conf", pg_hba_conf())
+    changed |= _write_owned(data_dir / "pg_hba.conf",
+                            pg_hba_conf(more=[(login.role, login.database) for login in more_logins]))
     running = postmaster_pid(data_dir)
     if changed and running:
         log("postgres: configuration changed; reloaded (a changed port or memory setting needs down/up)")
         reload(running)
-    password = ensure_password(secrets_dir)
-    stamp = data_dir / PROVISIONED_STAMP
-    digest = provisioned_digest(ROLE, DATABASE, password)
-    if not stamp.exists() or stamp.read_text().strip() != digest:
-        log(f"postgres: creating or updating role {ROLE} and database {DATABASE}")
-        _provision(data_dir, port, password, log)
-        _write_owned(stamp, digest + "\n")
-    return sqlalchemy_url(password, port)
+    for login in (AIRFLOW_LOGIN, *more_logins):
+        password = ensure_password(secrets_dir, name=login.password_file)
+        stamp = data_dir / provisioned_stamp(login)
+        digest = provisioned_digest(login.role, login.database, password)
+        if not stamp.exists() or stamp.read_text().strip() != digest:
+            log(f"postgres: creating or updating role {login.role} and database {login.database}")
+            _provision(data_dir, port, password, log, login)
+            _write_owned(stamp, digest + "\n")
+    return sqlalchemy_url(ensure_password(secrets_dir), port)
 

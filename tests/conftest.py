@@ -68,6 +68,18 @@ def default_deployment(monkeypatch):
 
 
 @pytest.fixture
+def empty_model_registry(monkeypatch):
+    """For tests without the stack that plan a nightly run: the MLflow registry (a server process, the boundary
+    here) stands in as one with no champion yet; the registry itself is tested against the real server
+    (tests/integration/test_model_registry.py)."""
+    from types import SimpleNamespace
+
+    from hybridflow.pipeline import nightly_tasks
+
+    monkeypatch.setattr(nightly_tasks, "model_registry", lambda config: SimpleNamespace(champion=lambda: None))
+
+
+@pytest.fixture
 def cluster_tmp_path(stack):
     """A temporary folder in the shared storage's scratch area, for jobs whose executors run as the stack's
     service user (Spark standalone): pytest's own tmp_path lies under a folder only root may enter."""
@@ -108,11 +120,12 @@ def run_dag(isolated_airflow_env):
     """Write a DAG file and run its DAG once through Airflow's real task lifecycle (dag.test, triggers inline)."""
 
     def run(source: str, dag_id: str, conf: dict | None = None, timeout_s: float = 600, logical_date: str = "",
-            background: bool = False):
+            background: bool = False, output: Path | None = None):
         argv = runner_argv(write_dag_file(isolated_airflow_env, source, dag_id), dag_id, conf, logical_date)
-        if background:  # the caller kills it: a task process dying mid-wait
-            return subprocess.Popen(argv, env=isolated_airflow_env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, start_new_session=True)
+        if background:  # the caller kills it: a task process dying mid-wait; its log goes to `output` if given
+            with open(output or os.devnull, "wb") as sink:
+                return subprocess.Popen(argv, env=isolated_airflow_env, stdout=sink, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
         out = subprocess.run(argv, env=isolated_airflow_env, capture_output=True, text=True, timeout=timeout_s)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if not lines:
@@ -226,14 +239,15 @@ def model_of_record(stack) -> dict:
     import torch
     from hybridflow.config import pipeline_config
     from hybridflow.pipeline.nightly_tasks import model_of_record as current
-    from hybridflow.pipeline.registry import ModelRegistry
+    from hybridflow.pipeline.nightly_tasks import model_registry
+    from hybridflow.pipeline.registry import EXPORT_FILES
     from hybridjobs.features import FEATURE_COLUMNS
     from hybridtrain.config import ModelSpec
     from hybridtrain.export import SMOKE_ROWS, export_model
     from hybridtrain.model import build_network
 
     config = pipeline_config()
-    registry = ModelRegistry(config.storage.root, config.nightly.model_name)
+    registry = model_registry(config)
     if registry.champion() is None:
         torch.manual_seed(0)
         spec = ModelSpec(hidden_sizes=(16,), dropout=0.0)
@@ -243,8 +257,15 @@ def model_of_record(stack) -> dict:
                      std=np.ones(n, np.float32), feature_columns=tuple(FEATURE_COLUMNS),
                      smoke_inputs=np.random.default_rng(0).normal(size=(SMOKE_ROWS, n)).astype(np.float32),
                      export_dir=export_dir, details={"step": 0, "run_id": "tests-model-of-record"})
-        registry.promote(str(export_dir), {"run_id": "tests-model-of-record", "decision": "promote",
-                                           "reason": "tests: no model of record on this stack yet"})
+        mlflow = registry.mlflow  # its MLflow run, as a training task leaves one: the version's source
+        run = mlflow.create_run(mlflow.experiment_id("tests"), "tests-model-of-record", {}, int(time.time() * 1000))
+        for name in EXPORT_FILES:
+            mlflow.upload_artifact(run["info"]["artifact_uri"], f"model/{name}", (export_dir / name).read_bytes())
+        mlflow.finish_run(run["info"]["run_id"], "FINISHED", int(time.time() * 1000))
+        version = registry.register(str(export_dir), run_id=run["info"]["run_id"], details={
+            "airflow_run_id": "tests-model-of-record", "decision": "first_model",
+            "reason": "tests: no model of record on this stack yet"})
+        registry.promote(version["version"], expected_champion=None, reason="tests: no model of record yet")
     return current(config)
 
 

@@ -11,8 +11,10 @@ import sys
 from hybridjobs import storage
 from hybridjobs.predictions import ModelContractError
 
-# Exit code per failure a job expects: 2 its input partition is not published, 3 the model does not fit it.
-EXIT_CODES: dict[type[Exception], int] = {storage.PartitionNotPublishedError: 2, ModelContractError: 3}
+# Exit code per failure a job expects: 2 its input partition is not published or its manifest is unreadable,
+# 3 the model does not fit it.
+EXIT_CODES: dict[type[Exception], int] = {storage.PartitionNotPublishedError: 2, storage.ManifestError: 2,
+                                          ModelContractError: 3}
 EXPECTED_FAILURES = tuple(EXIT_CODES)
 
 

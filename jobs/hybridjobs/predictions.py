@@ -17,6 +17,9 @@ import pyarrow.compute as pc
 from hybridjobs import manifests, storage
 
 DEFAULT_BATCH_SIZE = 65_536
+# fp32: the model as exported; bf16: its matrix products under bf16 autocast (standardisation and the sigmoid stay
+# float32), only where the export's check allowed it (signature.json "precision").
+PRECISIONS = ("fp32", "bf16")
 PREDICTION_COLUMNS = ("customer_id", "score", "model_version")
 # The partition's columns as its manifest declares them (the type names Spark's writer used), and the file schema
 # every scoring path writes: model_version is on every row, so it is required.
@@ -56,31 +59,93 @@ def batch_inputs(batch: Any, feature_columns: Sequence[str]) -> Any:
     return np.stack(columns, dtype=np.float32).T
 
 
-def score_array(model: Any, inputs: Any, device: str = "cpu") -> Any:
+def _forward(model: Any, inputs: Any, device: str, precision: str) -> Any:
+    """The model's [B] float32 scores of a host float32 [B, n] tensor, still on ``device``."""
+    import torch
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    with torch.inference_mode(), torch.autocast(torch.device(device).type, torch.bfloat16,
+                                                enabled=precision == "bf16"):
+        scores = model(inputs.to(device, non_blocking=True))
+    if tuple(scores.shape) != (len(inputs), 1):
+        raise ModelContractError(f"model returned shape {tuple(scores.shape)} for input {tuple(inputs.shape)}; "
+                                 f"expected ({len(inputs)}, 1)")
+    return scores.reshape(-1).float()
+
+
+def score_array(model: Any, inputs: Any, device: str = "cpu", precision: str = "fp32") -> Any:
     """float32 [B, n] numpy -> float32 [B] numpy scores; raises ModelContractError on a wrong output shape."""
     import numpy as np
     import torch
 
-    with torch.inference_mode():
-        scores = model(torch.from_numpy(inputs).to(device, non_blocking=True))
-    if tuple(scores.shape) != (len(inputs), 1):
-        raise ModelContractError(f"model returned shape {tuple(scores.shape)} for input {inputs.shape}; "
-                                 f"expected ({len(inputs)}, 1)")
-    return scores.to("cpu").numpy().reshape(-1).astype(np.float32, copy=False)
+    scores = _forward(model, torch.from_numpy(inputs), device, precision)
+    return scores.to("cpu").numpy().astype(np.float32, copy=False)
+
+
+class _Pending:
+    """One scored batch on its way back to the host: on a GPU its scores are copied into pinned host memory behind
+    an event, waited for only when the batch is written; on a CPU they are there already."""
+
+    def __init__(self, batch: Any, scores: Any) -> None:
+        import torch
+
+        self.batch = batch
+        self.done = None
+        if scores.device.type == "cpu":
+            self.host = scores
+        else:
+            self.host = torch.empty(scores.shape, dtype=torch.float32, pin_memory=True)
+            self.host.copy_(scores, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def scores(self) -> Any:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.numpy()
+
+
+def _upload_ready(inputs: Any, device: str) -> Any:
+    """The batch as the device's upload wants it: on a GPU a contiguous pinned copy (a strided or pageable source
+    makes the copy wait for the GPU); on a CPU the tensor itself."""
+    import torch
+
+    if device == "cpu":
+        return inputs
+    return torch.empty(inputs.shape, dtype=torch.float32, pin_memory=True).copy_(inputs)
 
 
 def write_scored(writer: Any, model: Any, batches: Iterable[Any], feature_columns: Sequence[str],
-                 model_version: str, device: str = "cpu") -> int:
+                 model_version: str, device: str = "cpu", precision: str = "fp32") -> int:
     """Scores Arrow batches of features (``customer_id`` and ``feature_columns``) into ``writer`` (a Parquet
-    writer of :data:`SCHEMA`), a row group per batch; returns the rows written. Every scoring path's loop."""
+    writer of :data:`SCHEMA`), a row group per batch; returns the rows written. Every scoring path's loop.
+
+    A batch is written once the next one is queued: on a GPU the host never waits for the device while it has
+    other work (the inputs go up from pinned memory without blocking, the scores come back behind an event), so
+    reading and writing on the host overlap the GPU's work. On a CPU the order of work is the same.
+    """
+    import torch
+
     version = pa.scalar(model_version, pa.string())
     rows = 0
-    for batch in batches:
-        scores = score_array(model, batch_inputs(batch, feature_columns), device)
+    pending: _Pending | None = None
+
+    def write(done: _Pending) -> None:
+        batch = done.batch
         writer.write_batch(pa.record_batch(
-            [pc.cast(batch.column("customer_id"), pa.string()), pa.array(scores, pa.float32()),
+            [pc.cast(batch.column("customer_id"), pa.string()), pa.array(done.scores(), pa.float32()),
              pa.repeat(version, batch.num_rows)], schema=SCHEMA))
+
+    for batch in batches:
+        inputs = _upload_ready(torch.from_numpy(batch_inputs(batch, feature_columns)), device)
+        queued = _Pending(batch, _forward(model, inputs, device, precision))
+        if pending is not None:
+            write(pending)
+        pending = queued
         rows += batch.num_rows
+    if pending is not None:
+        write(pending)
     return rows
 
 

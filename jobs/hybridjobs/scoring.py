@@ -108,7 +108,7 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
     predictions.check_version(model_version)
     started = time.monotonic()
     features_dir = storage.partition_dir(root, "features", ds)
-    features_manifest = storage.read_manifest(features_dir)
+    features_manifest = storage.read_features_manifest(features_dir)
     feature_columns = list(features_manifest["feature_columns"])
     check_model(model_path, len(feature_columns))
 
@@ -123,7 +123,8 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
         leftover.unlink()
 
     rows = features_manifest["row_count"]  # checked against the staged files by predictions.manifest
-    job = job_section(spark, "score_batch", started, rows, batch_size=batch_size)
+    # the Spark route scores on CPUs, where bf16 gains nothing: float32 whatever the export's check allowed
+    job = job_section(spark, "score_batch", started, rows, batch_size=batch_size, precision="fp32")
     manifest = predictions.manifest(staging, ds, features_manifest, COLUMNS, job, model_path, model_version)
     storage.publish(staging, target, manifest)
     return manifest

@@ -35,6 +35,10 @@ class PartitionNotPublishedError(RuntimeError):
     """A stage's input partition has no ``_SUCCESS`` marker (missing, or its writer has not finished)."""
 
 
+class ManifestError(ValueError):
+    """A published partition's ``_MANIFEST.json`` is not JSON, or lacks a field its reader needs."""
+
+
 def parse_ds(ds: str) -> date:
     """``YYYY-MM-DD`` -> date; anything else raises ValueError naming the expected form."""
     try:
@@ -79,7 +83,33 @@ def read_manifest(partition: str | os.PathLike) -> dict[str, Any]:
             f"{partition} is not published (no {SUCCESS_NAME}): run the stage that writes it for this ds "
             "first"
         )
-    return json.loads((partition / MANIFEST_NAME).read_text())
+    try:
+        manifest = json.loads((partition / MANIFEST_NAME).read_text())
+    except ValueError as err:
+        raise ManifestError(f"{partition / MANIFEST_NAME} is not JSON ({err}): republish the partition") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{partition / MANIFEST_NAME} is not a JSON object: republish the partition")
+    return manifest
+
+
+def read_features_manifest(partition: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a published features partition, with the fields every reader of features relies on
+    checked: ``feature_columns`` (a non-empty list of names) and ``row_count`` (a count).
+
+    :raises PartitionNotPublishedError: no ``_SUCCESS``.
+    :raises ManifestError: naming each bad field and the fix.
+    """
+    manifest = read_manifest(partition)
+    columns, rows = manifest.get("feature_columns"), manifest.get("row_count")
+    problems = []
+    if not isinstance(columns, list) or not columns or not all(isinstance(c, str) and c for c in columns):
+        problems.append(f"feature_columns is {columns!r}, expected a non-empty list of column names")
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        problems.append(f"row_count is {rows!r}, expected a count of rows >= 0")
+    if problems:
+        raise ManifestError(f"{Path(partition) / MANIFEST_NAME}: {'; '.join(problems)}: republish the partition "
+                            "(jobs/build_features.py writes both)")
+    return manifest
 
 
 def publish(staging: str | os.PathLike, target: str | os.PathLike, manifest: dict[str, Any]) -> Path:

@@ -19,13 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from hybridtrain.errors import ConfigError
+from hybridtrain.tracking import TrackingConfig, parse_tracking
 
 __all__ = [
     "DEFAULT_MODEL_PRESETS_PATH",
     "ModelSpec",
     "RunConfig",
     "dates_in_range",
+    "PRECISIONS",
     "deepspeed_settings_for_run",
+    "settings_for_device",
     "load_model_presets",
     "load_run_config",
     "parse_run_config",
@@ -62,8 +65,12 @@ _KNOWN_KEYS = frozenset(
         "collective_timeout_s",
         "allreduce_sample_every_steps",
         "gradient_accumulation_steps",
+        "precision",
+        "tracking",
     }
 )
+# auto: bf16 autocast on a GPU that supports it, float32 elsewhere; bf16: autocast on any device (CPUs too).
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -102,8 +109,10 @@ class RunConfig:
     collective_timeout_s: float = 300.0
     allreduce_sample_every_steps: int = 25
     gradient_accumulation_steps: int = 1
+    precision: str = "auto"
     run_id: str | None = None
     labels: dict[str, Any] = field(default_factory=dict)
+    tracking: TrackingConfig | None = None
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -155,6 +164,38 @@ def deepspeed_settings_for_run(
         params = result["optimizer"].setdefault("params", {})
         assign(params, "lr", learning_rate, "optimizer.params.lr")
     return result, notes
+
+
+def settings_for_device(settings: Mapping[str, Any], *, cuda: bool) -> tuple[dict[str, Any], float, list[str]]:
+    """The DeepSpeed settings that keep the GPU fed, and the gradient clipping the loop applies itself.
+
+    - DeepSpeed's throughput timer is off unless the file configures it: by default it synchronizes the device
+      at the start and the end of every step (``timers.throughput.synchronized``), which drains the GPU's queue.
+    - On CUDA, torch's fused AdamW where DeepSpeed builds torch's Adam (``torch_adam``) and the file says nothing
+      of ``fused``: one kernel for every parameter instead of several per tensor. (On CPUs the default stays.)
+    - ZeRO stage 0 with float32 weights: the loop clips gradients itself (torch's ``clip_grad_norm_`` keeps the
+      bound on the device), so ``gradient_clipping`` moves out of the settings into the returned value; DeepSpeed's
+      stage-0 clipping builds two tensors from host values each step, and each copy waits for the GPU.
+
+    :return: the settings, the norm the loop clips to (0: none, DeepSpeed clips), and one note per change.
+    """
+    result = json.loads(json.dumps(settings))
+    notes = []
+    if "throughput" not in (result.get("timers") or {}):
+        result.setdefault("timers", {})["throughput"] = {"enabled": False}
+        notes.append("timers.throughput: off (DeepSpeed's default synchronizes the device twice per step)")
+    optimizer = result.get("optimizer") or {}
+    params = optimizer.get("params") or {}
+    if cuda and params.get("torch_adam") and "fused" not in params:
+        params["fused"] = True
+        notes.append("optimizer.params.fused: true (torch's fused AdamW on CUDA)")
+    half = any((result.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
+    stage = (result.get("zero_optimization") or {}).get("stage", 0)
+    clip = 0.0
+    if stage == 0 and not half and result.get("gradient_clipping"):
+        clip = float(result.pop("gradient_clipping"))
+        notes.append(f"gradient_clipping {clip}: applied by the loop (ZeRO stage 0, float32 weights)")
+    return result, clip, notes
 
 
 def load_run_config(path: str | Path, presets_path: Path | None = None) -> RunConfig:
@@ -257,9 +298,13 @@ def parse_run_config(data: Mapping[str, Any], *, config_path: Path, default_pres
     gradient_accumulation_steps = check.integer(
         data, "gradient_accumulation_steps", minimum=1, required=False, default=1
     )
+    precision = "auto" if data.get("precision") is None else data["precision"]
+    if precision not in PRECISIONS:
+        problems.append(f"precision: must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     run_id = data.get("run_id")
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
         problems.append(f"run_id: must be a non-empty string when given, got {run_id!r}")
+    tracking = parse_tracking(data.get("tracking"), base_dir, problems)
     labels = {} if data.get("labels") is None else data["labels"]
     if not isinstance(labels, dict):
         problems.append(f"labels: must be an object of free-form metadata, got {labels!r}")
@@ -290,8 +335,10 @@ def parse_run_config(data: Mapping[str, Any], *, config_path: Path, default_pres
         collective_timeout_s=collective_timeout_s,
         allreduce_sample_every_steps=allreduce_sample_every_steps,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        precision=precision,
         run_id=run_id,
         labels=labels,
+        tracking=tracking,
     )
 
 

@@ -21,6 +21,8 @@ from torch import nn
 __all__ = [
     "SHM_COMM_OPT_IN",
     "broadcast_from_rank0",
+    "control_group",
+    "end_process_group",
     "full_state_dict",
     "gather_objects",
     "init_engine",
@@ -74,8 +76,9 @@ def init_engine(
     timeout = timedelta(seconds=timeout_s)
     _groups_default_to(timeout)
     if not dist.is_initialized():
-        # Bound to this rank's GPU when there are peers (as DeepSpeed does; a single rank has none to reach).
-        bind = {"device_id": device} if device.type == "cuda" and int(os.environ["WORLD_SIZE"]) > 1 else {}
+        # Bound to this rank's GPU, a single rank too: NCCL otherwise guesses the device from the global rank
+        # (and says so on every run).
+        bind = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, timeout=timeout, **bind)
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     engine, _, _, _ = deepspeed.initialize(
@@ -143,13 +146,35 @@ def mean_across_ranks(value: torch.Tensor) -> float:
     return float(value.item())
 
 
-def max_across_ranks(value: int, device: torch.device) -> int:
-    """The largest ``value`` of all ranks, on every rank."""
+def control_group(device: torch.device) -> Any:
+    """The process group for the loop's host-side agreements (stop requests): None (the default group, gloo) on
+    CPUs or a single rank, a gloo group beside NCCL on GPUs. Reading back an NCCL all-reduce waits for every kernel
+    queued before it, so agreeing on a stop through NCCL each step would drain the GPU's queue each step. Every
+    rank must call it, in the same order as its other group creations."""
+    if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def max_across_ranks(value: int, group: Any = None) -> int:
+    """The largest ``value`` of all ranks, on every rank, through ``group`` (a CPU group: see control_group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
-    tensor = torch.tensor([value], device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    tensor = torch.tensor([value])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return int(tensor.item())
+
+
+def end_process_group(device: torch.device) -> None:
+    """Tear torch.distributed down at the end of a successful job where NCCL would warn of a leak otherwise.
+
+    gloo (CPU) groups are left to the process exit: destroying them while a peer was still finishing aborted that
+    rank in CI ("terminate called without an active exception", srun then killed the step). On GPUs every rank
+    first waits for the others, so none tears its communicators down under a peer's last collective."""
+    if device.type != "cuda" or not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def gather_objects(value: Any) -> list[Any]:

@@ -17,12 +17,17 @@ from hybridjobs.atomic import staged_dir
 from hybridtrain.config import ModelSpec
 from hybridtrain.model import ProbabilityModel, Standardize, build_network
 
-__all__ = ["INPUT_NAME", "OUTPUT_NAME", "SMOKE_ROWS", "export_model"]
+__all__ = ["BF16_LIMITS", "INPUT_NAME", "OUTPUT_NAME", "PRECISION_SAMPLE_ROWS", "SMOKE_ROWS", "export_model",
+           "precision_check"]
 
 INPUT_NAME = "INPUT__0"
 OUTPUT_NAME = "OUTPUT__0"
 SMOKE_ROWS = 16
 SMOKE_ATOL = 1e-5
+# Scoring may use bf16 autocast only when, on the smoke set and a holdout sample, no probability moves by more
+# than this and the AUC by no more than this (issue 21).
+BF16_LIMITS = {"max_abs_diff": 0.01, "auc_diff": 0.001}
+PRECISION_SAMPLE_ROWS = 20_000
 
 
 def export_model(
@@ -35,6 +40,8 @@ def export_model(
     smoke_inputs: np.ndarray,
     export_dir: Path,
     details: Mapping[str, Any],
+    precision_sample: tuple[np.ndarray, np.ndarray] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Write ``model.pt`` (TorchScript of sigmoid(network)), ``signature.json`` and ``smoke.json``.
 
@@ -42,6 +49,9 @@ def export_model(
     :param mean: the training split's per-feature mean; ``std`` its standard deviation (``standardization``).
     :param smoke_inputs: ``SMOKE_ROWS`` raw feature rows; their outputs are computed by the saved file itself.
     :param details: extra keys for ``signature.json`` (step, model preset, versions).
+    :param precision_sample: raw holdout rows and their labels for :func:`precision_check` (with the smoke
+        rows); None checks the smoke rows alone (no AUC, so scoring stays in float32).
+    :param device: where the check runs (the training device: bf16 is judged where it will be used).
     :return: what was written: paths and the signature.
     """
     n_features = len(feature_columns)
@@ -55,6 +65,13 @@ def export_model(
         inputs = np.ascontiguousarray(smoke_inputs[:SMOKE_ROWS], dtype=np.float32)
         with torch.inference_mode():
             outputs = reloaded(torch.from_numpy(inputs)).numpy()
+        sample_x, sample_y = precision_sample if precision_sample is not None else (inputs[:0], np.zeros(0))
+        precision = precision_check(
+            torch.jit.load(str(staging / "model.pt"), map_location=device),
+            np.concatenate([inputs, np.asarray(sample_x, dtype=np.float32)]),
+            np.asarray(sample_y),
+            device,
+        )
         signature = {
             **details,
             "format": "torchscript",
@@ -63,6 +80,7 @@ def export_model(
             "inputs": [{"name": INPUT_NAME, "dtype": "float32", "shape": [-1, n_features]}],
             "outputs": [{"name": OUTPUT_NAME, "dtype": "float32", "shape": [-1, 1], "meaning": "probability"}],
             "torch_version": torch.__version__,
+            "precision": precision,
         }
         smoke = {
             "input_name": INPUT_NAME,
@@ -78,4 +96,47 @@ def export_model(
         "signature": str(export_dir / "signature.json"),
         "smoke": str(export_dir / "smoke.json"),
         "n_features": n_features,
+        "precision": precision,
+    }
+
+
+def precision_check(model: Any, inputs: np.ndarray, labels: np.ndarray, device: str) -> dict[str, Any]:
+    """Whether scoring may run under bf16 autocast: the model's float32 and bf16 probabilities on ``inputs``
+    (the smoke rows, then holdout rows whose ``labels`` follow in order) differ by at most
+    ``BF16_LIMITS['max_abs_diff']``, and the holdout AUC by at most ``BF16_LIMITS['auc_diff']``.
+
+    :return: ``{"scoring": "bf16" | "fp32", "check": {figures, limits, rows, device, reason}}``; without labels
+        of both classes the AUC cannot be compared, and scoring stays in float32.
+    """
+    from hybridtrain.evaluation import roc_auc
+
+    tensor = torch.from_numpy(np.ascontiguousarray(inputs, dtype=np.float32)).to(device)
+    with torch.inference_mode():
+        fp32 = model(tensor).float().reshape(-1).cpu().numpy()
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            bf16 = model(tensor).float().reshape(-1).cpu().numpy()
+    max_abs = float(np.max(np.abs(bf16 - fp32))) if len(fp32) else None
+    labelled = len(labels)
+    auc_fp32 = roc_auc(labels, fp32[-labelled:]) if labelled else None
+    auc_bf16 = roc_auc(labels, bf16[-labelled:]) if labelled else None
+    auc_diff = None if auc_fp32 is None or auc_bf16 is None else abs(auc_bf16 - auc_fp32)
+    if max_abs is None or auc_diff is None:
+        safe, reason = False, "no holdout labels of both classes: the AUC could not be compared"
+    else:
+        safe = max_abs <= BF16_LIMITS["max_abs_diff"] and auc_diff <= BF16_LIMITS["auc_diff"]
+        reason = (f"max |p_bf16 - p_fp32| {max_abs:.2e} (limit {BF16_LIMITS['max_abs_diff']}), AUC difference "
+                  f"{auc_diff:.2e} (limit {BF16_LIMITS['auc_diff']})")
+    return {
+        "scoring": "bf16" if safe else "fp32",
+        "check": {
+            "max_abs_diff": max_abs,
+            "auc_fp32": auc_fp32,
+            "auc_bf16": auc_bf16,
+            "auc_diff": auc_diff,
+            "limits": dict(BF16_LIMITS),
+            "rows": len(fp32),
+            "labelled_rows": labelled,
+            "device": str(device),
+            "reason": reason,
+        },
     }

@@ -62,13 +62,17 @@ def gpu_metrics_file(run_dir: Path, rank: int) -> Path:
 
 
 def bound_gpu_ids(environ: Mapping[str, str]) -> tuple[str, ...] | None:
-    """The GPU ids this process may use, as ``nvidia-smi -i`` takes them; None means every GPU it can see.
+    """The GPU ids this process may use, as ``nvidia-smi -i`` takes them; None means every GPU it can see, ``()``
+    none (CUDA_VISIBLE_DEVICES set empty, as a job placed on the CPU partition has it: CUDA then shows no GPU,
+    and sampling the node's GPUs would count other jobs' work as this one's).
 
     CUDA_VISIBLE_DEVICES when it lists numeric ids (Slurm sets it per task; it is in ``nvidia-smi``'s
     numbering when Slurm's ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` convention holds), else SLURM_STEP_GPUS, else
     SLURM_JOB_GPUS (the ids Slurm allocated), else None. UUIDs or MIG names in CUDA_VISIBLE_DEVICES are not
     numeric ids and fall through to Slurm's variables.
     """
+    if environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return ()
     for name in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
         value = environ.get(name, "").replace(" ", "")
         if _ID_LIST_RE.fullmatch(value):
@@ -190,7 +194,8 @@ class GpuSampler(threading.Thread):
 
     :param executable: ``nvidia-smi`` to run; None looks it up on PATH.
     :param rank: recorded in every line (None: not recorded).
-    :param gpu_ids: the GPUs to query (``nvidia-smi -i``); None queries every GPU ``nvidia-smi`` shows.
+    :param gpu_ids: the GPUs to query (``nvidia-smi -i``); None queries every GPU ``nvidia-smi`` shows, ``()``
+        none (the process has no GPU: one line says so).
     """
 
     def __init__(
@@ -221,6 +226,9 @@ class GpuSampler(threading.Thread):
             self.join(timeout=_TIMEOUT_S + 5)
 
     def run(self) -> None:
+        if self._gpu_ids == ():
+            self._write({"gpu_available": False, "reason": "no GPU bound to this process (CUDA_VISIBLE_DEVICES empty)"})
+            return
         if self._executable is None:
             self._write({"gpu_available": False, "reason": "nvidia-smi not found"})
             return

@@ -40,10 +40,15 @@ class TrainingPlan:
     def epochs_completed(self, step: int) -> int:
         return step // self.steps_per_epoch
 
+    def batch_position(self, step: int, rank: int, micro: int = 0) -> tuple[int, int]:
+        """``(epoch, start)``: micro-batch ``micro`` of 0-based optimizer ``step`` on ``rank`` is
+        ``epoch_permutation(..., epoch)[start : start + batch_size]``."""
+        epoch, batch = divmod(step, self.steps_per_epoch)
+        return epoch, batch * self.rows_per_step + (micro * self.world_size + rank) * self.batch_size
+
     def batch_rows(self, step: int, rank: int, micro: int = 0) -> np.ndarray:
         """Indices into the training rows for micro-batch ``micro`` of 0-based optimizer ``step`` on ``rank``."""
-        epoch, batch = divmod(step, self.steps_per_epoch)
-        start = batch * self.rows_per_step + (micro * self.world_size + rank) * self.batch_size
+        epoch, start = self.batch_position(step, rank, micro)
         return epoch_permutation(self.n_train_rows, self.seed, epoch)[start : start + self.batch_size]
 
     def as_dict(self) -> dict[str, int]:

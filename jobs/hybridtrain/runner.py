@@ -2,9 +2,9 @@
 
 Files under ``run_dir``: ``progress.json`` (see ``progress``), ``checkpoints/step_<n>/`` (see
 ``checkpoints``), ``metrics.json`` (written once training finished), ``gpu_metrics.rank<r>.jsonl`` (see
-``gpu``), ``export/`` (see ``export``) and ``torch_extensions/`` (TORCH_EXTENSIONS_DIR, unless set: DeepSpeed
-builds nothing there unless a config asks for a JIT op). Every rank writes its checkpoint shards and its own
-GPU samples; only rank 0 writes the other files.
+``gpu``), ``step_metrics.jsonl`` (rank 0's step figures, see ``tracking``), ``export/`` (see ``export``) and
+``torch_extensions/`` (TORCH_EXTENSIONS_DIR, unless set: DeepSpeed builds nothing there unless a config asks
+for a JIT op). Every rank writes its checkpoint shards and its own GPU samples; only rank 0 writes the others.
 
 One optimizer step is ``gradient_accumulation_steps`` micro-batches of ``batch_size`` rows on every rank: the
 loop calls ``engine.backward`` and ``engine.step`` per micro-batch, and DeepSpeed (0.19.8,
@@ -41,7 +41,7 @@ from hybridtrain.checkpoints import (
     write_json_atomic,
     write_manifest,
 )
-from hybridtrain.config import RunConfig, deepspeed_settings_for_run, load_run_config
+from hybridtrain.config import RunConfig, deepspeed_settings_for_run, load_run_config, settings_for_device
 from hybridtrain.errors import ExitCode, FeatureDataError, ResumeError, TrainingJobError, collective_failure
 from hybridtrain.evaluation import log_loss, roc_auc
 from hybridtrain.features import HOLDOUT_RULE, holdout_mask, read_feature_partitions, standardization
@@ -60,9 +60,18 @@ from hybridtrain.launch import (
     node_name,
     restart_count,
 )
-from hybridtrain.plan import TrainingPlan, make_plan
+from hybridtrain.plan import TrainingPlan, epoch_permutation, make_plan
 from hybridtrain.preemption import StopRequest, requeue_job
 from hybridtrain.progress import ProgressReporter, read_progress
+from hybridtrain.tracking import (
+    STEP_METRICS_FILE,
+    LiveTracking,
+    MlflowRest,
+    StepMetricsLog,
+    TrackingUnavailable,
+    code_version,
+    read_credentials,
+)
 
 __all__ = ["PreparedData", "TrainingJob", "main", "prepare_data"]
 
@@ -197,12 +206,17 @@ class TrainingJob:
         for note in notes:
             log.info("DeepSpeed config: %s", note)
         try:
-            return _Trainer(self, data, plan, ds_config, restarts).train()
+            trainer = _Trainer(self, data, plan, ds_config, restarts)
+            code = trainer.train()
         except RuntimeError as error:
             failure = collective_failure(f"{type(error).__name__}: {error}", config.collective_timeout_s)
             if failure is None:
                 raise
             raise failure from error
+        from hybridtrain.engine import end_process_group
+
+        end_process_group(trainer.device)  # after a failure the process exits without it: a peer may be gone
+        return code
 
     def report_failure(self, error: BaseException) -> None:
         """Leave the failure in progress.json for the orchestrator (rank 0, once the run dir exists)."""
@@ -232,15 +246,20 @@ class _Trainer:
         import deepspeed
         import torch
         from hybridtrain import engine as ds_engine
-        from hybridtrain.export import SMOKE_ROWS, export_model
+        from hybridtrain.export import PRECISION_SAMPLE_ROWS, SMOKE_ROWS, export_model
         from hybridtrain.model import build_network, count_parameters
 
         self.torch = torch
         self.deepspeed = deepspeed
         self.ds = ds_engine
         self.export_model = export_model
+        ds_config, self.clip_norm, notes = settings_for_device(ds_config, cuda=torch.cuda.is_available())
+        for note in notes:
+            log.info("DeepSpeed config: %s", note)
         # The serving smoke set: the first holdout rows (repeated when the holdout is smaller).
         self.smoke_inputs = np.resize(data.holdout_raw[:SMOKE_ROWS], (SMOKE_ROWS, len(data.feature_columns)))
+        # The rows the export's bf16 check scores besides the smoke set, with their labels.
+        self.precision_sample = (data.holdout_raw[:PRECISION_SAMPLE_ROWS], data.holdout_y[:PRECISION_SAMPLE_ROWS])
         self.job = job
         self.config = job.config
         self.data = data
@@ -264,15 +283,26 @@ class _Trainer:
             network, ds_config, self.local_rank, timeout_s=self.config.collective_timeout_s
         )
         self.dtype = ds_engine.input_dtype(ds_config)
+        self.autocast = _autocast(self.config.precision, self.device, self.dtype, torch)
+        self.control_group = ds_engine.control_group(self.device)
         self.ranks = ds_engine.gather_objects(
             {"rank": self.rank, "node": node_name(os.environ, platform.node()), "local_rank": self.local_rank}
         )
         self.nodes, placement = describe_ranks(self.ranks)
         log.info("ranks: %s", placement)
-        # The whole training split lives on the device (tabular rows are small next to GPU memory), so a step
-        # gathers its batch there instead of copying it from the host.
+        # The whole training split lives on the device (tabular rows are small next to GPU memory), and so does
+        # the epoch's order of rows (copied once per epoch): a step slices its batch there, with no host copy
+        # (a copy from pageable host memory waits for the GPU's queue to drain).
         self.train_x = torch.from_numpy(data.train_x).to(self.device, dtype=self.dtype)
         self.train_y = torch.from_numpy(data.train_y).to(self.device)
+        self._order: tuple[int, Any] | None = None
+        log.info(
+            "compute: %s on %s; gradient clipping by %s; optimizer %s",
+            self.precision_name,
+            self.device,
+            "the loop" if self.clip_norm else "DeepSpeed",
+            "fused" if (ds_config.get("optimizer") or {}).get("params", {}).get("fused") else "unfused",
+        )
         self.resume_key = {
             "plan": {k: v for k, v in plan.as_dict().items() if k != "total_steps"},
             "data_sha256": data.fingerprint,
@@ -291,6 +321,7 @@ class _Trainer:
         # [step, step_ms, comm_ms] of the measured steps (see hybridtrain.allreduce), kept across resumes.
         self.allreduce_samples: list[list[float | None]] = []
         self._comm_buffer: Any = None
+        self.step_log: StepMetricsLog | None = None
 
     # --- main loop ------------------------------------------------------------------------------------------
 
@@ -305,6 +336,7 @@ class _Trainer:
             gpu_ids=bound_gpu_ids(os.environ),
         )
         sampler.start()
+        self.step_log = self._open_step_log()
         try:
             self.loop_started = time.monotonic()
             self.reporter.restart_rate(self.step)
@@ -313,7 +345,7 @@ class _Trainer:
             losses = 0
             self.engine.train()
             while self.step < self.plan.total_steps:
-                stop_code = self.ds.max_across_ranks(self.job.stop.code, self.device)
+                stop_code = self.ds.max_across_ranks(self.job.stop.code, self.control_group)
                 if stop_code:
                     return self._stop(stop_code)
                 measure = is_sample_step(self.step, self.config.allreduce_sample_every_steps)
@@ -340,20 +372,53 @@ class _Trainer:
             return self._finish()
         finally:
             sampler.stop()
+            if self.step_log is not None:
+                self.step_log.close()
+
+    def _open_step_log(self) -> StepMetricsLog | None:
+        """Rank 0's step figures: the file always, MLflow live when the run config names a run (see tracking)."""
+        if self.rank != 0:
+            return None
+        live, tracking = None, self.config.tracking
+        if tracking is not None:
+            try:
+                username, password = read_credentials(tracking.credentials_file)
+            except TrackingUnavailable as error:
+                log.warning("MLflow tracking unavailable (%s): training goes on; the Airflow task logs %s after "
+                            "the job", error, STEP_METRICS_FILE)
+            else:
+                client = MlflowRest(tracking.uri, username, password)
+                live = LiveTracking(client, tracking.run_id, tracking.flush_every_s).start()
+                log.info("tracking: logging live to MLflow run %s at %s", tracking.run_id, tracking.uri)
+        return StepMetricsLog(self.config.run_dir / STEP_METRICS_FILE, self.plan.rows_per_step, live)
 
     def _micro_step(self, micro: int) -> Any:
         """Forward and backward of micro-batch ``micro`` of the current step, and ``engine.step``; the loss."""
         torch = self.torch
-        rows = self.plan.batch_rows(self.step, self.rank, micro)
-        rows = torch.from_numpy(rows.copy()).to(self.device)
+        epoch, start = self.plan.batch_position(self.step, self.rank, micro)
+        if self._order is None or self._order[0] != epoch:
+            order = epoch_permutation(self.plan.n_train_rows, self.plan.seed, epoch)
+            self._order = (epoch, torch.from_numpy(order.copy()).to(self.device))
+        rows = self._order[1][start : start + self.plan.batch_size]
         inputs = self.train_x.index_select(0, rows)
         labels = self.train_y.index_select(0, rows)
         torch.manual_seed(_step_seed(self.config.seed, self.step, micro))
-        logits = self.engine(inputs).squeeze(1).float()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.engine(inputs).squeeze(1).float()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
         self.engine.backward(loss)
+        if self.clip_norm and micro == self.plan.accumulation - 1:  # gradients are all-reduced by now
+            torch.nn.utils.clip_grad_norm_(self.engine.module.parameters(), self.clip_norm, foreach=True)
         self.engine.step()
         return loss.detach()
+
+    @property
+    def precision_name(self) -> str:
+        """What the network computes in: ``bf16-autocast`` (float32 weights), ``bf16``/``fp16`` (DeepSpeed's
+        half-precision weights) or ``fp32``."""
+        if self.autocast:
+            return "bf16-autocast"
+        return str(self.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
 
     def _measure_allreduce(self, step_s: float) -> None:
         """Time one all-reduce of the gradient volume and keep the slowest rank's figures for this step.
@@ -370,6 +435,8 @@ class _Trainer:
         self.allreduce_samples.append(
             [self.step + 1, round(step_s * 1e3, 3), None if comm_s is None else round(comm_s * 1e3, 3)]
         )
+        if self.step_log is not None and comm_s is not None and step_s > 0:
+            self.step_log.record(self.step + 1, {"allreduce_share": comm_s / step_s})
 
     # --- resume ---------------------------------------------------------------------------------------------
 
@@ -428,6 +495,7 @@ class _Trainer:
         self._report("checkpointing", force=True)
         if evaluate:
             self.evaluation = self._evaluate()
+            self._record_evaluation()
         if self.rank == 0 and step_dir.exists():
             log.warning("replacing %s, left by an earlier attempt", step_dir)
             remove_checkpoint(step_dir)
@@ -522,6 +590,14 @@ class _Trainer:
         self.last_loss = loss
         self.loss_curve.append([self.step, round(loss, 6)])
         self.reporter.add_loss(loss)
+        if self.step_log is not None:
+            self.step_log.record(self.step, {"loss": loss}, with_rate=True)
+
+    def _record_evaluation(self) -> None:
+        if self.step_log is not None and self.evaluation is not None:
+            self.step_log.record(self.step, {"holdout_auc": self.evaluation["auc"],
+                                             "holdout_log_loss": self.evaluation["log_loss"]})
+            self.step_log.restart_rate()  # the evaluation and the checkpoint are not training time
 
     def _report(self, state: str, force: bool = False) -> bool:
         if self.rank != 0:
@@ -578,6 +654,7 @@ class _Trainer:
     def _finish(self) -> ExitCode:
         if self.evaluation is None or self.evaluation["step"] != self.step:
             self.evaluation = self._evaluate()
+            self._record_evaluation()
         state_dict = self.ds.full_state_dict(self.engine)
         engine_outputs = self._probabilities((self.smoke_inputs - self.data.mean) / self.data.std)
         if self.rank == 0:
@@ -591,6 +668,8 @@ class _Trainer:
                     smoke_inputs=self.smoke_inputs,
                     export_dir=self.config.export_dir,
                     details={"run_id": self.config.run_id, "step": self.step, "model": self._model_details()},
+                    precision_sample=self.precision_sample,
+                    device=str(self.device),
                 )
             exported["max_abs_diff_vs_engine"] = self._check_export(engine_outputs)
             write_json_atomic(self.config.run_dir / METRICS_FILE, self._metrics(exported))
@@ -683,6 +762,10 @@ class _Trainer:
                 "config": str(config.deepspeed_config),
                 "device": self.device.type,
                 "dtype": str(self.dtype).removeprefix("torch."),
+                "precision": self.precision_name,
+                "requested_precision": config.precision,
+                "gradient_clipping_by": "loop" if self.clip_norm else "deepspeed",
+                "fused_optimizer": bool(((self.ds_config.get("optimizer") or {}).get("params") or {}).get("fused")),
             },
             "allreduce": summarise_allreduce(
                 self.allreduce_samples,
@@ -690,6 +773,7 @@ class _Trainer:
                 world_size=plan.world_size,
                 elements=self.n_trainable,
             ),
+            "code_version": code_version(),
             "torch_version": self.torch.__version__,
             "python_version": platform.python_version(),
             "hyperparameters": {
@@ -716,6 +800,16 @@ class _Trainer:
             },
             "export": exported,
         }
+
+
+def _autocast(requested: str, device: Any, dtype: Any, torch: Any) -> bool:
+    """Whether the loop runs the network under bf16 autocast: never over DeepSpeed's half-precision weights;
+    ``bf16`` always; ``auto`` on a GPU that computes bf16 natively."""
+    if dtype != torch.float32 or requested == "fp32":
+        return False
+    if requested == "bf16":
+        return True
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
 def _slurm_cpus(environ: Mapping[str, str]) -> int | None:

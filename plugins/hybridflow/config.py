@@ -17,19 +17,25 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, get_type_hints
+from types import UnionType
+from typing import Any, get_args, get_origin, get_type_hints
 
 from hybridflow.exceptions import ConfigError
 from hybridflow.layout import StorageLayout
 from hybridflow.paths import include_dir
+from hybridflow.utils.mlflow_tracking import validate_experiment_name
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 # ZeRO stages with a DeepSpeed config in include/deepspeed/zero<stage>.json.
-ZERO_STAGES = (1, 2, 3)
+ZERO_STAGES = (0, 1, 2, 3)  # include/deepspeed/zero<N>.json; 0: plain data parallelism, for one node
 ENV_REF = re.compile(r"\$\{(?P<name>[A-Z_][A-Z0-9_]*)(?::-(?P<default>[^}]*))?\}")
+# What a training run may ask for (nightly_training's param `device`): auto decides by the measured figures of
+# `placement` (hybridflow.pipeline.placement); gpu and cpu win over them.
+DEVICES = ("auto", "gpu", "cpu")
+SLURM_PARTITION = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,10 @@ class NightlyConfig:
     min_gpu_utilization_pct: float = 40.0
     fail_on_low_utilization: bool = False
     max_active_runs: int = 3
+    # CPU or GPU for training: auto (the placement rule), gpu or cpu; the param `device` of nightly_training.
+    device: str = "auto"
+    # The MLflow experiment each training task is a run of (stored verbatim).
+    mlflow_experiment: str = "nightly_training"
 
     @property
     def cron(self) -> str | None:
@@ -142,6 +152,12 @@ class NightlyConfig:
             raise ConfigError(f"{where}.min_auc_gain: {self.min_auc_gain}; expected a value in [0, 1)")
         if not self.learning_rate > 0:
             raise ConfigError(f"{where}.learning_rate: {self.learning_rate}; expected a positive number")
+        if self.device not in DEVICES:
+            raise ConfigError(f"{where}.device: {self.device!r}; choose one of {', '.join(DEVICES)}")
+        try:
+            validate_experiment_name(self.mlflow_experiment, f"{where}.mlflow_experiment")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -237,6 +253,85 @@ class ReconcilerConfig:
             raise ConfigError(f"{where}.grace_s: {self.grace_s}; expected seconds from 0 to {MAX_GRACE_S}")
 
 
+def _positive_or_null(value: float | None, where: str, what: str) -> None:
+    """A measured figure: a positive finite number, or None (not measured)."""
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise ConfigError(f"{where}: {value}; expected a positive number of {what}, or null (not measured)")
+
+
+@dataclass(frozen=True)
+class MeasuredRate:
+    """One measured training throughput: rows per second of one rank (one GPU, or one CPU process holding
+    ``nightly.cpus_per_task`` cores), and where and when it was measured. ``rows_per_s: null`` is "not
+    measured", and ``measured`` then says so; a figure is never estimated into this file."""
+
+    rows_per_s: float | None
+    measured: str
+
+    def validate(self, where: str) -> None:
+        _positive_or_null(self.rows_per_s, f"{where}.rows_per_s", "rows per second")
+        check_text(self.measured, f"{where}.measured")
+
+
+@dataclass(frozen=True)
+class PresetRates:
+    """A preset's measured training throughput on each side."""
+
+    cpu: MeasuredRate
+    gpu: MeasuredRate
+
+
+@dataclass(frozen=True)
+class EvaluationPlacementConfig:
+    """Where the champion/challenger evaluation runs. Its scoring work is (challenger + champion parameters) x
+    holdout rows ("parameter-rows"); at the measured CPU rate, a job estimated over ``max_cpu_s`` runs on the GPU
+    partition with ``gpus`` GPU(s), else on the CPU partition. Rates are measured figures (null: not measured,
+    and the evaluation stays on the CPU partition)."""
+
+    max_cpu_s: float = 30.0
+    cpu_parameter_rows_per_s: float | None = None
+    gpu_parameter_rows_per_s: float | None = None
+    measured: str = "not measured"
+    # the holdout share of the window's rows (jobs/evaluate.py --holdout-fraction, whose default it is)
+    holdout_fraction: float = 0.2
+    gpus: int = 1
+
+    def validate(self, where: str) -> None:
+        if not math.isfinite(self.max_cpu_s) or self.max_cpu_s <= 0:
+            raise ConfigError(f"{where}.max_cpu_s: {self.max_cpu_s}; expected a positive number of seconds")
+        for key in ("cpu_parameter_rows_per_s", "gpu_parameter_rows_per_s"):
+            _positive_or_null(getattr(self, key), f"{where}.{key}", "parameter-rows per second")
+        check_text(self.measured, f"{where}.measured")
+        if not 0 < self.holdout_fraction < 1:
+            raise ConfigError(f"{where}.holdout_fraction: {self.holdout_fraction}; expected a value in (0, 1)")
+        if not 1 <= self.gpus <= 8:
+            raise ConfigError(f"{where}.gpus: {self.gpus}; expected 1 to 8 GPUs")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """CPU or GPU for training and evaluation, from measured figures (hybridflow.pipeline.placement). The GPU
+    partition is ``cluster.partition``; without figures for a preset a run keeps the GPU (the default)."""
+
+    cpu_partition: str = "cpu"
+    # device=auto takes the GPU when it is at least this many times faster per rank, whatever it costs; below
+    # that the side with the lower cost per 1,000 rows wins.
+    min_gpu_speedup: float = 10.0
+    training: Mapping[str, PresetRates] = field(default_factory=dict)
+    evaluation: EvaluationPlacementConfig = field(default_factory=EvaluationPlacementConfig)
+
+    def validate(self, where: str) -> None:
+        check_text(self.cpu_partition, f"{where}.cpu_partition", SLURM_PARTITION)
+        if not math.isfinite(self.min_gpu_speedup) or self.min_gpu_speedup < 1:
+            raise ConfigError(f"{where}.min_gpu_speedup: {self.min_gpu_speedup}; expected a number >= 1 (how many "
+                              "times faster a GPU rank must be to win whatever it costs)")
+        presets = model_preset_names()
+        unknown = sorted(set(self.training) - set(presets))
+        if unknown:
+            raise ConfigError(f"{where}.training.{unknown[0]}: not a model preset; expected one of "
+                              f"{', '.join(presets)} (include/config/model_presets.json)")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     cluster: ClusterConfig
@@ -248,6 +343,8 @@ class PipelineConfig:
     costs: CostConfig
     alerts: AlertsConfig
     reconciler: ReconcilerConfig
+    # absent: no figures, so every run keeps the GPU (what the suite did before placement existed)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 def expand_env(value: str, where: str) -> str:
@@ -274,9 +371,19 @@ def from_environment(value: str, expected: type) -> Any:
     return value
 
 
+def _optional(expected: Any) -> tuple[Any, bool]:
+    """``(X, True)`` for a hint ``X | None``, else ``(expected, False)``."""
+    args = get_args(expected) if isinstance(expected, UnionType) else ()
+    if len(args) == 2 and type(None) in args:
+        return next(arg for arg in args if arg is not type(None)), True
+    return expected, False
+
+
 def build(cls: type, data: Any, where: str):
     """A dataclass from a mapping: unknown keys, missing keys and wrong types are errors naming the key; then the
-    dataclass's own ``validate(where)``, if it has one. A field typed as a dataclass is built the same way."""
+    dataclass's own ``validate(where)``, if it has one. A field typed as a dataclass is built the same way; one
+    typed ``Mapping[str, <dataclass>]`` is a mapping keyed by name whose values are built so; one typed
+    ``X | None`` also takes null."""
     check_keys(check_mapping(data, where), where, optional=[f.name for f in fields(cls)])
     hints = get_type_hints(cls)
     values = {}
@@ -286,9 +393,15 @@ def build(cls: type, data: Any, where: str):
             if f.default is MISSING and f.default_factory is MISSING:
                 raise ConfigError(f"{key}: missing (expected {getattr(hints[f.name], '__name__', hints[f.name])})")
             continue
-        expected, value = hints[f.name], data[f.name]
+        (expected, optional), value = _optional(hints[f.name]), data[f.name]
+        if optional and value is None:
+            values[f.name] = None
+            continue
         if isinstance(expected, type) and is_dataclass(expected):
             values[f.name] = build(expected, value, key)
+            continue
+        if get_origin(expected) is Mapping:
+            values[f.name] = _build_keyed(get_args(expected)[1], value, key)
             continue
         if isinstance(value, str) and ENV_REF.search(value):
             value = from_environment(expand_env(value, key), expected)
@@ -301,6 +414,15 @@ def build(cls: type, data: Any, where: str):
     if hasattr(obj, "validate"):
         obj.validate(where)
     return obj
+
+
+def _build_keyed(cls: type, data: Any, where: str) -> dict[str, Any]:
+    built = {}
+    for name, value in check_mapping(data, where).items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: key {name!r}; expected a name")
+        built[name] = build(cls, value, f"{where}.{name}")
+    return built
 
 
 # Checks for config read without build (mappings keyed by name, lists): the same "<where>: <value>; <fix>" shape.
@@ -384,10 +506,7 @@ def pipeline_config() -> PipelineConfig:
     return load_pipeline_config()
 
 
-def model_preset_names(path: Path | None = None) -> tuple[str, ...]:
-    """The presets of include/config/model_presets.json, in the file's order: the one list of them on this side
-    (the nightly DAG's choices, the training task's check). jobs/hybridtrain/config.py reads the same file, shipped
-    with the jobs, for the network each one is."""
+def _model_presets(path: Path | None) -> tuple[Path, Mapping[str, Any]]:
     path = path or include_dir() / "config" / "model_presets.json"
     try:
         data = json.loads(path.read_text())
@@ -399,4 +518,25 @@ def model_preset_names(path: Path | None = None) -> tuple[str, ...]:
         raise ConfigError(f"{path}: {exc}") from None
     if not presets:
         raise ConfigError(f"{path}: presets: {{}}; define at least one preset")
-    return tuple(presets)
+    return path, presets
+
+
+def model_preset_names(path: Path | None = None) -> tuple[str, ...]:
+    """The presets of include/config/model_presets.json, in the file's order: the one list of them on this side
+    (the nightly DAG's choices, the training task's check). jobs/hybridtrain/config.py reads the same file, shipped
+    with the jobs, for the network each one is."""
+    return tuple(_model_presets(path)[1])
+
+
+def model_preset_hidden_sizes(path: Path | None = None) -> dict[str, tuple[int, ...]]:
+    """Each preset's hidden layer widths (the placement rule counts a network's parameters from them)."""
+    path, presets = _model_presets(path)
+    sizes = {}
+    for name, preset in presets.items():
+        widths = preset.get("hidden_sizes") if isinstance(preset, Mapping) else None
+        if not isinstance(widths, list) or not widths or not all(
+                isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths):
+            raise ConfigError(f"{path}: presets.{name}.hidden_sizes: {widths!r}; expected a list of positive "
+                              "integers")
+        sizes[name] = tuple(widths)
+    return sizes

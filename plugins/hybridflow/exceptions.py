@@ -76,3 +76,8 @@ class JobActionRefused(HybridflowError):
 class JobActionFailed(HybridflowError):
     """Slurm did not do what an on-call action asked; the message names the job, the state seen and the
     runbook."""
+
+
+class MlflowUnavailable(HybridflowError):
+    """The MLflow tracking server did not answer or refused a call; the message names the server, the call and
+    the fix."""

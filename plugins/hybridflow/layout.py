@@ -73,14 +73,17 @@ class StorageLayout:
     def report_dir(self, dag_id: str, ds: str, run_id: str) -> str:
         return f"{self.reports}/{self.report_path(dag_id, ds, run_id)}"
 
-    # Models: the registry of promoted versions (pipeline/registry.py).
+    # Models: the files of each MLflow model version, as cluster jobs and Triton read them (pipeline/registry.py).
     def model_dir(self, name: str) -> str:
         return self._under("models", name)
 
-    def model_version_dir(self, name: str, version: int) -> str:
-        return self._under("models", name, f"v{version}")
+    def model_version_dir(self, name: str, version: int, sha256: str = "") -> str:
+        """``v<N>-<sha256[:12]>``: the MLflow version and its model's digest, so two MLflow servers (or the file
+        registry before them) writing the same storage never name different models alike."""
+        return self._under("models", name, f"v{version}-{sha256[:12]}" if sha256 else f"v{version}")
 
-    def model_registry(self, name: str) -> str:
+    def legacy_model_registry(self, name: str) -> str:
+        """The earlier file registry, imported into MLflow once (``python -m hybridflow.pipeline.registry``)."""
         return self._under("models", name, "registry.json")
 
     @property

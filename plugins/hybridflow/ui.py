@@ -112,6 +112,27 @@ class RunReportLink(BaseOperatorLink):
         return report_url(relative) if relative else ""
 
 
+class MlflowRunLink(BaseOperatorLink):
+    """From a training task to its MLflow run (pushed when the run is known, before the job starts)."""
+
+    name = "MLflow run"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        from airflow.providers.common.compat.sdk import XCom
+
+        url = XCom.get_value(ti_key=ti_key, key=XCOM_MLFLOW_RUN_URL)
+        return url if is_mlflow_run_url(url) else ""
+
+
+XCOM_MLFLOW_RUN_URL = "mlflow_run_url"
+# what the MLflow hook's run_url makes: http(s), a host, then the UI's run route; nothing else is ever linked
+MLFLOW_RUN_URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/-]*)?/#/experiments/[0-9]{1,19}/runs/[0-9a-f]{32}")
+
+
+def is_mlflow_run_url(value) -> bool:
+    return isinstance(value, str) and MLFLOW_RUN_URL.fullmatch(value) is not None
+
+
 def slurm_job_page(job_id: str) -> str:
     from hybridflow.config import pipeline_config
     from hybridflow.hooks.slurm import SlurmHook

@@ -14,7 +14,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_FILES = sorted(p for p in (REPO / "dags").glob("*.py") if not p.name.startswith("_"))
-PARSE_BUDGET_S = 1.0
 
 
 def clean_env(tmp_path: Path) -> dict[str, str]:
@@ -140,21 +139,28 @@ def test_dag_model_preset_choices_are_the_presets_file(dagbag):
     assert dagbag["dags"]["nightly_training"]["params"]["model_preset"]["enum"] == list(model_preset_names())
 
 
+# What the DAG processor must never load to parse a DAG file: the jobs' and the hooks' libraries (seconds of
+# import each, paid on every parse). The parse time itself is a benchmark figure, not a timed test.
+HEAVY_AT_PARSE = ("torch", "numpy", "pandas", "pyarrow", "pyspark", "deepspeed", "matplotlib", "tritonclient",
+                  "grpc", "mlflow", "paramiko", "asyncssh", "boto3", "botocore", "scipy", "sklearn")
+
+
 @pytest.mark.parametrize("dag_file", DAG_FILES, ids=lambda p: p.name)
-def test_dag_file_imports_in_under_a_second(dag_file, tmp_path):
-    """Time the DAG file alone: Airflow's own import is paid once by the DAG processor, not per file."""
+def test_dag_file_imports_no_heavy_library_at_parse_time(dag_file, tmp_path):
+    """The DAG file alone, after what the processor has loaded already: no job or hook library comes with it
+    (they belong inside execute(), a task body or a hook's method)."""
     code = f"""
-import time, runpy
+import json, runpy, sys
 import airflow.sdk, airflow.sdk.definitions.dag  # the processor has these loaded already
-t0 = time.perf_counter()
+before = set(sys.modules)
 runpy.run_path({str(dag_file)!r})
-print(time.perf_counter() - t0)
+print(json.dumps(sorted({{name.split(".")[0] for name in set(sys.modules) - before}})))
 """
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(tmp_path), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    seconds = float(out.stdout.strip().splitlines()[-1])
-    assert seconds < PARSE_BUDGET_S, f"{dag_file.name} took {seconds:.2f} s to import"
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert sorted(loaded & set(HEAVY_AT_PARSE)) == [], f"{dag_file.name} loads them at parse time"
 
 
 def test_dag_every_task_has_the_oncall_failure_notifier(tmp_path):

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from airflow_api import task_states, wait_for_run, xcom
 from demo import ensure_fresh_preflight
+from helpers.mlflow_server import Mlflow
 from helpers.partitions import manifest
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
@@ -69,7 +70,7 @@ def one_node_run(api, stack) -> dict:
     # Training refuses a missing or stale all-reduce preflight of its topology (a fresh stack has none): run it as
     # `make demo` does.
     ensure_fresh_preflight(api, str(root), timeout_s=600, nodes=1, gpus_per_node=2)
-    run_id = trigger(api, {"model_preset": "small", "deploy": "always", "nodes": 1, "gpus": 2}, DS)
+    run_id = trigger(api, {"model_preset": "small", "device": "gpu", "deploy": "always", "nodes": 1, "gpus": 2}, DS)
     state = wait_for_run(api, DAG, run_id, timeout_s=900, poll_s=2)
     states = task_states(api, DAG, run_id)
     assert state == "success", f"the shared 1 x 2 nightly run {run_id} did not succeed: {states}"
@@ -103,17 +104,23 @@ def test_nightly_run_produces_every_stages_output(api, stack, one_node_run):
     assert len(slurm_jobs_named(train["name"])) == 1
 
     decision = xcom(api, DAG, run_id, "evaluation.champion_challenger")
-    registry = json.loads((root / "models/propensity/registry.json").read_text())
+    registry = Mlflow(stack)
+    registered = registry.model_version("propensity", decision["registered_version"])
+    tags = {t["key"]: t["value"] for t in registered["tags"]}
+    assert registered["run_id"] == decision["mlflow_run_id"] == train["mlflow"]["run_id"]  # lineage to its run
+    assert tags["hybridflow.airflow_run_id"] == run_id and tags["hybridflow.decision"] == decision["decision"]
+    assert "challenger" in registered["aliases"]
+    champion = registry.alias("propensity", "champion")
     if decision["promoted_version"] is not None:
-        assert registry["champion"]["version"] == decision["promoted_version"]
-        assert registry["champion"]["run_id"] == run_id
+        assert champion["version"] == str(decision["promoted_version"]) == registered["version"]
     else:
         assert decision["decision"] == "keep_champion" and "keep the champion" in decision["reason"]
+        assert champion["version"] != registered["version"]
 
     predictions = manifest(root, "predictions", ds)
     assert predictions["row_count"] == features["row_count"]
     table = pq.read_table(root / "predictions" / f"ds={ds}", columns=["model_version", "score"])
-    assert set(table.column("model_version").to_pylist()) == {f"v{registry['champion']['version']}"}
+    assert set(table.column("model_version").to_pylist()) == {f"v{champion['version']}"}
     scores = table.column("score").to_numpy()
     assert ((scores >= 0) & (scores <= 1)).all()
 
@@ -122,13 +129,20 @@ def test_nightly_run_produces_every_stages_output(api, stack, one_node_run):
     assert deploy["smoke"]["max_abs_error"] <= deploy["smoke"]["atol"]
     hook = TritonHook()
     assert hook.ready_versions(deploy["model"]) == [deploy["version"]]
-    champion_smoke = json.loads((Path(registry["champion"]["export_dir"]) / "smoke.json").read_text())
+    champion_dir = {t["key"]: t["value"] for t in champion["tags"]}["hybridflow.model_dir"]
+    champion_smoke = json.loads((Path(champion_dir) / "smoke.json").read_text())
     served = hook.infer(deploy["model"], np.asarray(champion_smoke["inputs"], dtype=np.float32))
     assert np.allclose(served.reshape(-1), np.asarray(champion_smoke["outputs"]).reshape(-1), atol=1e-5)
 
     report = xcom(api, DAG, run_id, "report.write_report")
     written = json.loads(Path(report["json"]).read_text())
     assert written["run_id"] == run_id and Path(report["html"]).is_file()
+    record = written["sections"]["record"]["figures"]  # the report links its MLflow run and model version
+    assert record["run_url"]["value"] == train["mlflow"]["url"] and record["run_url"]["value"] in Path(
+        report["html"]).read_text()
+    assert record["model_version"]["value"] == str(decision["registered_version"])
+    nights = written["sections"]["record"]["history"]["nights"]  # the "last 30 nights", read from MLflow
+    assert {night["ds"]: night["auc"] for night in nights}[ds] == pytest.approx(train["metrics"]["auc"], abs=1e-6)
     assert any(chart.endswith("loss_curve.png") for chart in report["charts"])
     # No GPU here, and a fresh stack has nothing serving before this deploy: both said, never invented.
     allowed = {"training.mean_gpu_utilization_pct", "training.gpu_utilization_per_gpu"}
@@ -144,7 +158,8 @@ def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each(api, stack, one_n
     one_node = one_node_run["train"]["metrics"]
     root = storage(stack)
     ensure_fresh_preflight(api, str(root), timeout_s=600, nodes=2, gpus_per_node=1)
-    run_id = trigger(api, {"model_preset": "small", "train": "always", "deploy": "never", "nodes": 2, "gpus": 1}, DS)
+    run_id = trigger(api, {"model_preset": "small", "device": "gpu", "train": "always", "deploy": "never", "nodes": 2,
+                           "gpus": 1}, DS)
     state = wait_for_run(api, DAG, run_id, timeout_s=900, poll_s=2)
     assert state == "success", task_states(api, DAG, run_id)
     gate = xcom(api, DAG, run_id, "preflight.allreduce_preflight")
@@ -167,8 +182,8 @@ def test_backfill_recomputes_three_days_without_training(api, stack, one_node_ru
     run leaves one), no job on the GPU partition. Rerunning a date replaces its partitions (a second backfill
     would find them complete)."""
     root = storage(stack)
-    registry = json.loads((root / "models/propensity/registry.json").read_text())
-    assert registry["champion"] is not None, "the shared nightly run left no model of record"
+    champion = Mlflow(stack).alias("propensity", "champion")
+    assert champion, "the shared nightly run left no model of record"
     days = ["2025-07-01", "2025-07-02", "2025-07-03"]
     before = len(slurm_jobs_named(f"hf-{DAG}-training.train-backfill"))
     backfill = api.post("/api/v2/backfills", {
@@ -192,5 +207,5 @@ def test_backfill_recomputes_three_days_without_training(api, stack, one_node_ru
         features = manifest(root, "features", ds)
         assert manifest(root, "predictions", ds)["row_count"] == features["row_count"]
         versions = pq.read_table(root / "predictions" / f"ds={ds}", columns=["model_version"]).column(0)
-        assert set(versions.to_pylist()) == {f"v{registry['champion']['version']}"}
+        assert set(versions.to_pylist()) == {f"v{champion['version']}"}
     assert len(slurm_jobs_named(f"hf-{DAG}-training.train-backfill")) == before

@@ -24,5 +24,6 @@ def write_features(root: Path, ds: str, seed: int, customers: int = 1200) -> Non
     directory = root / f"ds={ds}"
     directory.mkdir(parents=True)
     pq.write_table(table, directory / "part-00000.parquet")
-    (directory / "_MANIFEST.json").write_text(json.dumps({"feature_columns": FEATURES, "ds": ds}))
+    (directory / "_MANIFEST.json").write_text(json.dumps({"feature_columns": FEATURES, "ds": ds,
+                                                         "row_count": customers}))
     (directory / "_SUCCESS").write_text("")

@@ -101,6 +101,8 @@ REFUSED = [
     # enums and booleans
     ("nightly_training", '{"train": "auto\\n"}', "train", None, NOT_ONE),
     ("nightly_training", '{"model_preset": "huge"}', "model_preset", None, NOT_ONE),
+    ("nightly_training", '{"device": "tpu"}', "device", None, NOT_ONE),
+    ("nightly_training", '{"device": "GPU"}', "device", None, NOT_ONE),
     ("workload_router", '{"workload_type": "model_training\\n"}', "workload_type", None, NOT_ONE),
     ("platform_healthcheck", '{"spark_conn_id": " spark_default"}', "spark_conn_id", None, NOT_ONE),
     ("platform_healthcheck", '{"run_spark": "yes"}', "run_spark", None, "is not of type 'boolean'"),
@@ -116,6 +118,7 @@ REFUSED = [
 # Good values of every kind: each creates a (dry) run on the DAGs with dry_run ...
 ACCEPTED_RUNS = [
     ("nightly_training", '{"gpus": 2, "epochs": 3, "nodes": 1, "max_steps": 1000000, "model_preset": "tiny"}'),
+    ("nightly_training", '{"device": "cpu", "model_preset": "large"}'),
     ("workload_router", '{"workload_type": "model_training", "config": {"hidden_sizes": "256,128", "batch": 64}, '
                         '"profile": {"gpu_speedup": 3.5, "batch_rows": 1e6, "cpu_p99_ms": 0}}'),
     ("workload_router", '{"workload_type": "feature_engineering", '

@@ -1,7 +1,8 @@
 """'Train again' on purpose, on the real Slurm through Airflow's task lifecycle: rerunning a training task in the
 same DAG run (same run id) follows its COMPLETED job and submits nothing; retrain=1 submits exactly one new job,
 trains fresh in its own run directory and leaves generation 0's outputs as they were; generation 1's job is then
-found by its own name, so rerunning it submits nothing either."""
+found by its own name, so rerunning it submits nothing either. In MLflow each generation is one run, the retrain's
+linked to the first."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import textwrap
 import uuid
 
 import pytest
+from helpers.mlflow_server import Mlflow
 from hybridflow.hooks.slurm import SlurmHook
 
 LOGICAL_DATE = "2026-01-02T00:00:00+00:00"  # one date for every run: the same run id, what a cleared task sees
@@ -30,6 +32,7 @@ def test_retrain_generation_rerun_reattaches_and_retrain_submits_exactly_one_fre
                                                                                       make_run_config):
     features, run_dir = generation_dirs
     dag_id = f"t_retrain_{uuid.uuid4().hex[:6]}"
+    experiment = f"test-retrain-{uuid.uuid4().hex[:6]}"
     source = textwrap.dedent(f'''
         from datetime import datetime
         from airflow.sdk import DAG, Param
@@ -40,7 +43,7 @@ def test_retrain_generation_rerun_reattaches_and_retrain_submits_exactly_one_fre
                 task_id="train", run_config={make_run_config(features, max_steps=40)!r}, run_dir="{run_dir}",
                 python="{stack["HYBRIDFLOW_CLUSTER_PYTHON"]}", jobs_dir="{stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"]}",
                 partition="gpu-training", gpus_per_node=1, cpus_per_task=2, time_limit=10, poll_interval_s=2,
-                retries=0, retrain="{{{{ params.retrain }}}}",
+                retries=0, retrain="{{{{ params.retrain }}}}", mlflow_experiment="{experiment}",
             )
     ''')
     ours = f"hf-{dag_id}-"
@@ -84,4 +87,14 @@ def test_retrain_generation_rerun_reattaches_and_retrain_submits_exactly_one_fre
 
     found = job_to_reattach(hook.find_by_name(returned["name"]), requeue_enabled=True)
     assert found is not None and found.job_id == job_1
+
+    # MLflow: the rerun continued generation 0's run; the retrain is a second run, linked to the first
+    runs = {run["info"]["run_id"]: run for run in Mlflow(stack).runs(experiment)}
+    run_0 = first["tasks"]["train"]["xcom"]["return_value"]["mlflow"]["run_id"]
+    assert rerun["tasks"]["train"]["xcom"]["return_value"]["mlflow"]["run_id"] == run_0
+    run_1 = returned["mlflow"]["run_id"]
+    assert set(runs) == {run_0, run_1} and run_1 != run_0
+    tags = {t["key"]: t["value"] for t in runs[run_1]["data"]["tags"]}
+    assert tags["hybridflow.retrain_of"] == run_0 and tags["hybridflow.retrain_generation"] == "1"
+    assert all(run["info"]["status"] == "FINISHED" for run in runs.values())
     hook.close()

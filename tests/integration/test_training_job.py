@@ -193,6 +193,10 @@ def test_training_job_writes_metrics_checkpoints_progress_and_export(baseline):
         "config": None,
         "device": "cpu",
         "dtype": "float32",
+        "precision": "fp32",  # precision auto: float32 on CPUs
+        "requested_precision": "auto",
+        "gradient_clipping_by": "deepspeed",  # ZeRO-1 partitions the gradients
+        "fused_optimizer": False,
     }
     assert f"rank0@{NODE} INFO hybridtrain: ranks: 0@{NODE}" in baseline.output
     allreduce = metrics["allreduce"]
@@ -422,6 +426,28 @@ def test_training_job_bf16_engine_exports_float32(features_root, tmp_path):
     assert 0 <= metrics["export"]["max_abs_diff_vs_engine"] < 2e-2, "bf16 engine, float32 export"
     signature = json.loads((job.run_dir / "export" / "signature.json").read_text())
     assert signature["inputs"][0]["dtype"] == "float32"
+
+
+def test_training_job_zero0_bf16_autocast_clips_in_the_loop_resumes_and_checks_bf16_scoring(features_root, tmp_path):
+    """The one-node GPU settings on CPU autocast (CI has no GPU): ZeRO stage 0, float32 weights under bf16
+    autocast, clipping by the loop; a resume ends at the same step; the export records its bf16 check."""
+    fast = {"zero_stage": 0, "deepspeed_config": str(REPO / "include" / "deepspeed" / "zero0.json"),
+            "precision": "bf16"}
+    run_to_end(write_run_config(tmp_path, features_root, epochs=None, max_steps=40, **fast), "first")
+    job = run_to_end(write_run_config(tmp_path, features_root, epochs=None, max_steps=60, **fast), "second")
+    metrics = metrics_of(job.run_dir)
+    deepspeed = metrics["deepspeed"]
+    assert (metrics["resumed_from_step"], metrics["step"]) == (40, 60)
+    assert (deepspeed["zero_stage"], deepspeed["dtype"], deepspeed["precision"], deepspeed["gradient_clipping_by"]) \
+        == (0, "float32", "bf16-autocast", "loop")
+    assert deepspeed["fused_optimizer"] is False, "fused AdamW only on CUDA"
+    assert metrics["holdout"]["auc"] > 0.6
+    assert metrics["export"]["max_abs_diff_vs_engine"] < 1e-5, "float32 weights: the export matches the engine"
+    precision = json.loads((job.run_dir / "export" / "signature.json").read_text())["precision"]
+    assert precision["check"]["labelled_rows"] > 0 and precision["check"]["auc_diff"] is not None
+    assert precision["scoring"] == ("bf16" if precision["check"]["max_abs_diff"] <= 0.01
+                                    and precision["check"]["auc_diff"] <= 0.001 else "fp32")
+    assert "compute: bf16-autocast on cpu; gradient clipping by the loop" in job.output
 
 
 def test_training_job_two_processes_shard_zero2_and_stop_together(features_root, tmp_path):

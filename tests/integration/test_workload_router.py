@@ -134,6 +134,18 @@ def test_router_dry_run_routes_and_starts_nothing(run_dag, slurm):
     assert router_jobs(slurm, result["run_id"]) == []
 
 
+def test_router_model_training_of_the_small_preset_routes_to_the_cpu_partition(run_dag, slurm):
+    """A preset routes by nightly_training's placement rule: the small preset does not take a GPU (dry run)."""
+    result = run_dag(SOURCE, DAG_ID, {"workload_type": "model_training", "config": {"preset": "small"},
+                                      "dry_run": True})
+    assert result["state"] == "success", result["log"][-4000:]
+    assert {task_states(result)[t] for t in RUN_TASKS} == {"skipped"}
+    assert "dry run: model_training -> cpu (slurm_cpu)" in result["log"]
+    assert "placement rule of nightly_training for preset small: small: CPU 80k rows/s" in result["log"]
+    assert "'--hidden-sizes', '128,64'" in result["log"]  # the preset's network
+    assert router_jobs(slurm, result["run_id"]) == []
+
+
 def test_router_unknown_type_is_refused_by_the_trigger_form_schema(isolated_airflow_env, slurm, tmp_path):
     """The params' enum refuses the run before any task starts, naming the valid types."""
     started = time.time()

@@ -8,6 +8,7 @@ SPARK_HOME, the Spark entrypoint).
 
 from __future__ import annotations
 
+import configparser
 import json
 import re
 import shlex
@@ -41,10 +42,13 @@ REQUIRED_SERVICES = {
     "slurm-gpu-node-02",
     "minio",
     "minio-init",
+    "mlflow-db-init",
+    "mlflow-init",
+    "mlflow",
     "triton",
     "triton-guard",
 }
-ONE_SHOT_SERVICES = {"airflow-init", "minio-init"}
+ONE_SHOT_SERVICES = {"airflow-init", "minio-init", "mlflow-db-init", "mlflow-init"}
 LONG_RUNNING_SERVICES = sorted(set(SERVICES) - ONE_SHOT_SERVICES)
 AIRFLOW_SERVICES = sorted(name for name in SERVICES if name.startswith("airflow-"))
 AIRFLOW_COMPONENTS = ["airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"]
@@ -349,6 +353,110 @@ def test_compose_ssh_connection_verifies_host_key_with_key_auth():
 
 def test_compose_s3_connection_targets_minio():
     assert _connection("AIRFLOW_CONN_STORAGE_S3")["extra"]["endpoint_url"] == "http://minio:9000"
+
+
+# ---------------------------------------------------------------------------------------------- MLflow
+MLFLOW_INI = REPO / "include/mlflow/basic_auth.ini"
+MLFLOW_DATABASE_URI = "postgresql+psycopg2://mlflow@postgres:5432/mlflow"
+
+
+def _mlflow_option(flag: str) -> str:
+    return _option(SERVICES["mlflow"]["command"], flag)
+
+
+def test_compose_mlflow_runs_the_authenticated_server_with_proxied_artifacts():
+    command = SERVICES["mlflow"]["command"]
+    assert command[:2] == ["mlflow", "server"]
+    assert _mlflow_option("--app-name") == "basic-auth"
+    assert "--serve-artifacts" in command and "--no-serve-artifacts" not in command
+    assert _mlflow_option("--artifacts-destination") == "s3://hybridflow-mlflow"
+    assert "--default-artifact-root" not in command  # new experiments get mlflow-artifacts:/, i.e. the proxy
+    assert "--disable-security-middleware" not in command
+    assert _mlflow_option("--backend-store-uri") == MLFLOW_DATABASE_URI  # no password: libpq's PGPASSWORD
+    assert set(_mlflow_option("--allowed-hosts").split(",")) == {"mlflow:5000", "localhost:5000", "127.0.0.1:5000"}
+    assert SERVICES["mlflow"]["ports"] == ["127.0.0.1:5000:5000"]
+
+
+def test_compose_mlflow_image_is_the_local_stacks_pinned_set():
+    build = COMPOSE["x-mlflow-common"]["build"]
+    assert build["dockerfile"] == "include/docker/mlflow.Dockerfile"
+    for name in ("mlflow", "mlflow-init"):
+        assert SERVICES[name]["build"] == build and SERVICES[name]["image"] == COMPOSE["x-mlflow-common"]["image"]
+    dockerfile = REPO / build["context"] / build["dockerfile"]
+    sources = {source for copy in _dockerfile_copies(dockerfile) for source in copy["sources"]}
+    assert {"include/mlflow/requirements.txt", "include/mlflow/basic_auth.ini", "scripts/mlflowstack.py"} <= sources
+    runs = " ".join(i for i in _dockerfile_instructions(dockerfile) if i.upper().startswith("RUN "))
+    assert "--no-deps -r /opt/mlflow/requirements.txt" in runs and "pip check" in runs
+    assert _dockerfile_env(dockerfile)["MLFLOW_AUTH_CONFIG_PATH"] == "/opt/mlflow/basic_auth.ini"
+    assert any(i.upper().startswith("USER ") and i.split()[1] != "root" for i in _dockerfile_instructions(dockerfile))
+    image_tag = COMPOSE["x-mlflow-common"]["image"].rsplit(":", 1)[1]
+    pinned = (REPO / "include/mlflow/requirements.txt").read_text().splitlines()
+    assert f"mlflow=={image_tag}" in pinned
+
+
+def test_compose_mlflow_auth_config_denies_by_default_and_holds_no_secret():
+    config = configparser.ConfigParser()  # as MLflow reads it
+    config.read(MLFLOW_INI)
+    section = config["mlflow"]
+    assert section["default_permission"] == "NO_PERMISSIONS"
+    assert section["database_uri"] == MLFLOW_DATABASE_URI
+    assert section["admin_username"] == "admin"
+    assert "admin_password" not in section
+    assert section.getboolean("grant_default_workspace_access") is False
+    assert section.getint("auth_cache_ttl_seconds") == 60
+
+
+def test_compose_mlflow_secrets_stay_with_the_services_that_need_them():
+    server, init = _environment(SERVICES["mlflow"]), _environment(SERVICES["mlflow-init"])
+    # The users' passwords are set by the one-shot; the long-running server holds neither.
+    assert "MLFLOW_AUTH_ADMIN_PASSWORD" not in server and "MLFLOW_USER_PASSWORD" not in server
+    assert init["MLFLOW_AUTH_ADMIN_PASSWORD"].startswith("${MLFLOW_ADMIN_PASSWORD:?")
+    assert init["MLFLOW_USER_NAME"] == "airflow"
+    assert init["MLFLOW_USER_PASSWORD"].startswith("${MLFLOW_AIRFLOW_PASSWORD:?")
+    assert init["PGPASSWORD"] == server["PGPASSWORD"] and server["PGPASSWORD"].startswith("${MLFLOW_DB_PASSWORD:?")
+    assert server["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
+    assert server["AWS_ACCESS_KEY_ID"].startswith("${MLFLOW_S3_ACCESS_KEY_ID:?")
+    # Airflow reaches MLflow through the server only: its MLflow key is not Airflow's storage key.
+    airflow = _environment(COMPOSE["x-airflow-common"])
+    assert "MLFLOW_S3_ACCESS_KEY_ID" not in " ".join(airflow.values())
+
+
+def test_compose_mlflow_database_is_created_by_a_one_shot_before_the_server():
+    init = SERVICES["mlflow-db-init"]
+    script = init["command"][-1]
+    assert _depends_on(init)["postgres"]["condition"] == "service_healthy"
+    assert "\\getenv mlflow_password MLFLOW_DB_PASSWORD" in script  # not on psql's command line
+    assert "PASSWORD :'mlflow_password'" in script and "NOSUPERUSER" in script
+    assert "CREATE DATABASE mlflow OWNER mlflow" in script
+    assert _environment(init)["MLFLOW_DB_PASSWORD"].startswith("${MLFLOW_DB_PASSWORD:?")
+    assert _depends_on(SERVICES["mlflow-init"])["mlflow-db-init"]["condition"] == "service_completed_successfully"
+    assert SERVICES["mlflow-init"]["command"] == ["python", "/opt/mlflow/mlflowstack.py", "ensure-accounts"]
+    server_deps = _depends_on(SERVICES["mlflow"])
+    assert {name: spec["condition"] for name, spec in server_deps.items()} == {
+        "mlflow-init": "service_completed_successfully", "minio-init": "service_completed_successfully"}
+
+
+def test_compose_minio_init_gives_mlflow_its_bucket_and_a_key_for_it_alone():
+    script = SERVICES["minio-init"]["command"][-1]
+    assert "hybridflow-mlflow" in script.split("for bucket in", 1)[1].split(";", 1)[0]
+    policy = json.loads(script.split("<<'POLICY'\n", 1)[1].split("\nPOLICY", 1)[0])
+    resources = {r for statement in policy["Statement"] for r in statement["Resource"]}
+    assert resources == {"arn:aws:s3:::hybridflow-mlflow", "arn:aws:s3:::hybridflow-mlflow/*"}
+    assert 'policy attach hybridflow mlflow-artifacts --user "$${MLFLOW_S3_ACCESS_KEY_ID}"' in script
+
+
+def test_compose_airflow_reaches_mlflow_as_its_own_user():
+    connection = _connection("AIRFLOW_CONN_MLFLOW_DEFAULT")
+    assert (connection["conn_type"], connection["host"], connection["port"]) == ("http", "mlflow", 5000)
+    assert connection["login"] == "airflow"
+    assert connection["password"] == "${MLFLOW_AIRFLOW_PASSWORD:?set MLFLOW_AIRFLOW_PASSWORD in .env}"
+    airflow = _environment(COMPOSE["x-airflow-common"])
+    assert airflow["MLFLOW_TRACKING_URI"] == f"http://{connection['host']}:{connection['port']}"
+    assert airflow["MLFLOW_TRACKING_USERNAME"] == connection["login"]
+    assert airflow["MLFLOW_TRACKING_PASSWORD"] == connection["password"]
+    assert f"{connection['host']}:{connection['port']}" in _mlflow_option("--allowed-hosts").split(",")
+
+
 
 
 @pytest.mark.parametrize("name", GPU_SERVICES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,8 @@ def mutate(path: str, value):
         ("preflight.nodes", 0, "expected a positive integer"),
         ("nightly.nodes", 0, "expected a positive integer"),
         ("nightly.gradient_accumulation_steps", 0, "expected a positive integer"),
-        ("nightly.zero_stage", 4, "choose one of 1, 2, 3"),
+        ("nightly.zero_stage", 4, "choose one of 0, 1, 2, 3"),
+        ("nightly.zero_stage", -1, "choose one of 0, 1, 2, 3"),
         ("storage", "/data", "pipeline.storage: expected a mapping, got str"),
         ("storage.root", "${NOT_SET_ANYWHERE}", "environment variable NOT_SET_ANYWHERE is not set"),
         ("nightly.model_name", "bad name;rm", "pipeline.nightly.model_name: 'bad name;rm'"),
@@ -75,6 +77,8 @@ def mutate(path: str, value):
         ("reconciler.grace_s", 86_401, "pipeline.reconciler.grace_s: 86401; expected seconds from 0 to 86400"),
         ("reconciler.grace_s", "5m", "pipeline.reconciler.grace_s: expected int, got str '5m'"),
         ("reconciler", KeyError, "pipeline.reconciler: missing"),
+        ("nightly.device", "tpu", "pipeline.nightly.device: 'tpu'; choose one of auto, gpu, cpu"),
+        ("nightly.device", True, "pipeline.nightly.device: expected str, got bool"),
     ],
 )
 def test_config_mistakes_name_file_key_and_type(tmp_path, path, value, message):
@@ -142,3 +146,90 @@ def test_config_checks_say_where_what_and_what_to_do(check, args, message):
     with pytest.raises(ConfigError) as err:
         check(*args)
     assert str(err.value) == message
+
+
+SMALL_CPU = "placement.training.small.cpu"
+
+
+# The placement section (hybridflow.pipeline.placement): each class of bad value names its key.
+@pytest.mark.parametrize("path, value, message", [
+    (f"{SMALL_CPU}.rows_per_s", -5, f"pipeline.{SMALL_CPU}.rows_per_s: -5.0; expected a positive number of rows "
+                                    "per second, or null (not measured)"),
+    (f"{SMALL_CPU}.rows_per_s", 0, f"pipeline.{SMALL_CPU}.rows_per_s: 0.0; expected a positive number"),
+    (f"{SMALL_CPU}.rows_per_s", float("inf"), f"pipeline.{SMALL_CPU}.rows_per_s: inf; expected a positive number"),
+    (f"{SMALL_CPU}.rows_per_s", float("nan"), f"pipeline.{SMALL_CPU}.rows_per_s: nan; expected a positive number"),
+    (f"{SMALL_CPU}.rows_per_s", "fast", f"pipeline.{SMALL_CPU}.rows_per_s: expected float, got str 'fast'"),
+    (f"{SMALL_CPU}.rows_per_s", True, f"pipeline.{SMALL_CPU}.rows_per_s: expected float, got bool True"),
+    (f"{SMALL_CPU}.rows_per_s", KeyError, f"pipeline.{SMALL_CPU}.rows_per_s: missing"),
+    (f"{SMALL_CPU}.measured", "", f"pipeline.{SMALL_CPU}.measured: ''; expected non-empty text"),
+    (f"{SMALL_CPU}.measured", KeyError, f"pipeline.{SMALL_CPU}.measured: missing (expected str)"),
+    (f"{SMALL_CPU}.speed", 1, f"pipeline.{SMALL_CPU}: unknown key(s) speed"),
+    ("placement.training.small.tpu", {"rows_per_s": 1, "measured": "x"},
+     "pipeline.placement.training.small: unknown key(s) tpu"),
+    ("placement.training.small.gpu", KeyError, "pipeline.placement.training.small.gpu: missing"),
+    ("placement.training.huge", {"cpu": {"rows_per_s": 1, "measured": "x"}, "gpu": {"rows_per_s": 1, "measured": "x"}},
+     "pipeline.placement.training.huge: not a model preset; expected one of tiny, small, large"),
+    ("placement.training", ["small"], "pipeline.placement.training: expected a mapping, got list"),
+    ("placement.training.small", 17600, "pipeline.placement.training.small: expected a mapping, got int"),
+    ("placement.min_gpu_speedup", 0.5, "pipeline.placement.min_gpu_speedup: 0.5; expected a number >= 1"),
+    ("placement.min_gpu_speedup", -10, "pipeline.placement.min_gpu_speedup: -10.0; expected a number >= 1"),
+    ("placement.min_gpu_speedup", "10x", "pipeline.placement.min_gpu_speedup: expected float, got str '10x'"),
+    ("placement.cpu_partition", "cpu;id", "pipeline.placement.cpu_partition: 'cpu;id'; expected text matching"),
+    ("placement.cpu_partition", 7, "pipeline.placement.cpu_partition: expected str, got int 7"),
+    ("placement.gpu_partition", "gpu", "pipeline.placement: unknown key(s) gpu_partition"),
+    ("placement.evaluation.max_cpu_s", 0, "pipeline.placement.evaluation.max_cpu_s: 0.0; expected a positive number"),
+    ("placement.evaluation.max_cpu_s", -30, "pipeline.placement.evaluation.max_cpu_s: -30.0; expected a positive"),
+    ("placement.evaluation.cpu_parameter_rows_per_s", 0,
+     "pipeline.placement.evaluation.cpu_parameter_rows_per_s: 0.0; expected a positive number of parameter-rows"),
+    ("placement.evaluation.gpu_parameter_rows_per_s", "2e13",
+     "pipeline.placement.evaluation.gpu_parameter_rows_per_s: expected float, got str '2e13'"),
+    ("placement.evaluation.holdout_fraction", 1.0, "holdout_fraction: 1.0; expected a value in (0, 1)"),
+    ("placement.evaluation.holdout_fraction", 0, "holdout_fraction: 0.0; expected a value in (0, 1)"),
+    ("placement.evaluation.gpus", 0, "pipeline.placement.evaluation.gpus: 0; expected 1 to 8 GPUs"),
+    ("placement.evaluation.gpus", 1.5, "pipeline.placement.evaluation.gpus: expected int, got float 1.5"),
+    ("placement", "auto", "pipeline.placement: expected a mapping, got str"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_config_placement_mistakes_name_file_key_and_value(tmp_path, path, value, message):
+    config_file = write(tmp_path, mutate(path, value))
+    with pytest.raises(ConfigError) as err:
+        load_pipeline_config(config_file)
+    assert str(err.value).startswith(f"{config_file}: ")
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("path, value", [
+    (f"{SMALL_CPU}.rows_per_s", None),  # not measured: allowed, the rule says so
+    (f"{SMALL_CPU}.rows_per_s", 17600),  # an int is a number of rows per second
+    ("placement.training", {}),
+    ("placement.evaluation.cpu_parameter_rows_per_s", None),
+])
+def test_config_placement_accepts_not_measured_figures(tmp_path, path, value):
+    load_pipeline_config(write(tmp_path, mutate(path, value)))
+
+
+def test_config_without_a_placement_section_keeps_every_run_on_the_gpu(tmp_path):
+    """An older pipeline.yaml (no placement section): no figures, so every preset keeps the GPU."""
+    config = load_pipeline_config(write(tmp_path, mutate("placement", KeyError)))
+    assert config.placement.training == {} and config.placement.cpu_partition == "cpu"
+    assert config.placement.evaluation.cpu_parameter_rows_per_s is None
+
+
+def test_config_checked_in_placement_figures_say_where_and_when_they_were_measured():
+    placement = load_pipeline_config().placement
+    assert set(placement.training) <= set(model_preset_names())
+    for preset, rates in placement.training.items():
+        for side in ("cpu", "gpu"):
+            rate = getattr(rates, side)
+            if rate.rows_per_s is None:
+                assert "not measured" in rate.measured, (preset, side)
+            else:
+                where = "machine" in rate.measured or "node" in rate.measured
+                assert where and re.search(r"20[0-9]{2}-[0-9]{2}", rate.measured), (preset, side, rate.measured)
+
+
+def test_every_allowed_zero_stage_has_its_shipped_deepspeed_config():
+    """prepare_training points the job at include/deepspeed/zero<stage>.json."""
+    from hybridflow.config import ZERO_STAGES
+    from hybridflow.paths import include_dir
+
+    assert [stage for stage in ZERO_STAGES if not (include_dir() / "deepspeed" / f"zero{stage}.json").is_file()] == []

@@ -94,10 +94,11 @@ def test_dataset_log_and_preflight_paths_are_the_ones_written_by_hand_before(roo
 
 @pytest.mark.parametrize("root", ROOTS)
 def test_model_paths_are_the_registrys(root):
-    layout, registry = StorageLayout(root), ModelRegistry(root, "propensity")
+    layout, registry = StorageLayout(root), ModelRegistry(None, root, "propensity")
     assert Path(layout.model_dir("propensity")) == registry.root
-    assert Path(layout.model_version_dir("propensity", 7)) == registry.version_dir(7)
-    assert Path(layout.model_registry("propensity")) == registry.registry_path
+    assert Path(layout.model_version_dir("propensity", 7, "ab" * 32)) == registry.version_dir(7, "ab" * 32)
+    assert registry.version_dir(7, "ab" * 32).name == "v7-abababababab"
+    assert layout.legacy_model_registry("propensity") == f"{root}/models/propensity/registry.json"
     assert f"file://{layout.model_dir('propensity')}" == f"file://{root}/models/propensity"  # the DAG's asset URI
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hybridflow.ui import SlurmJobLink, create_app, is_dag_id, is_job_id, report_parts, resolve_report
+from hybridflow.ui import MlflowRunLink, SlurmJobLink, create_app, is_dag_id, is_job_id, report_parts, resolve_report
 
 # --- DAG ids ---------------------------------------------------------------------------------------------------
 
@@ -132,6 +132,30 @@ def test_slurm_job_link_only_for_whole_job_ids(monkeypatch, xcom, linked):
     monkeypatch.setattr(XCom, "get_value", lambda **_: xcom)
     link = SlurmJobLink().get_link(None, ti_key=None)
     assert link.endswith(f"/hybridflow/slurm/jobs/{xcom}") if linked else link == ""
+
+
+RUN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize(("xcom", "linked"), [
+    (f"http://127.0.0.1:5000/#/experiments/9/runs/{RUN}", True),
+    (f"https://mlflow.example.com/mlflow/#/experiments/1/runs/{RUN}", True),
+    (f"http://[::1]:5000/#/experiments/9/runs/{RUN}", True),
+    (f"javascript:alert(1)//#/experiments/9/runs/{RUN}", False),
+    (f"http://127.0.0.1:5000/#/experiments/9/runs/{RUN}\n", False),
+    (f"http://127.0.0.1:5000/#/experiments/9/runs/{RUN}?x=<script>", False),
+    (f"http://user:pw@host/#/experiments/9/runs/{RUN}", False),  # never a URL with credentials
+    (f"http://127.0.0.1:5000/#/experiments/a/runs/{RUN}", False),
+    ("http://127.0.0.1:5000/#/experiments/9/runs/XYZ", False),
+    (f"//evil.example/#/experiments/9/runs/{RUN}", False),
+    ("", False), (None, False), (42, False), ({"url": "x"}, False),
+], ids=ascii)
+def test_mlflow_run_link_only_for_run_pages_of_an_http_server(monkeypatch, xcom, linked):
+    from airflow.providers.common.compat.sdk import XCom
+
+    monkeypatch.setattr(XCom, "get_value", lambda **_: xcom)
+    link = MlflowRunLink().get_link(None, ti_key=None)
+    assert link == (xcom if linked else "")
 
 
 # --- the app ---------------------------------------------------------------------------------------------------

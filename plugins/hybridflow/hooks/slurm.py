@@ -216,9 +216,27 @@ class SlurmHook(BaseHook):
         if result.returncode != 0:
             raise SlurmConnectionError(f"cannot write {path} on {self.endpoint}: {result.stderr.strip()}")
 
+    def write_private(self, path: str, text: str) -> None:
+        """Write a file only the job user can read (a secret): created 0600 before any byte goes in, content on
+        stdin (never on a command line)."""
+        result = self.run(["sh", "-c", 'umask 077 && rm -f -- "$1" && cat > "$1"', "write_private", path],
+                          stdin=text)
+        if result.returncode != 0:
+            raise SlurmConnectionError(f"cannot write {path} on {self.endpoint}: {result.stderr.strip()}")
+
     def read_text(self, path: str) -> str | None:
         result = self.run(["cat", "--", path])
         return result.stdout if result.returncode == 0 else None
+
+    def read_bytes(self, path: str) -> bytes | None:
+        """A file's bytes (a model), or None when it cannot be read."""
+        client = self.get_conn()
+        _, stdout_f, _ = client.exec_command(shlex.join(["cat", "--", path]), timeout=self.timeout_s)
+        content = stdout_f.read()
+        return content if stdout_f.channel.recv_exit_status() == 0 else None
+
+    def remove(self, path: str) -> None:
+        self.run(["rm", "-f", "--", path])
 
     def close(self) -> None:
         if "ssh_hook" in self.__dict__ and self.ssh_hook.client is not None:
@@ -272,7 +290,16 @@ class SlurmAsyncHook:
         except (OSError, asyncssh.Error, TimeoutError) as exc:
             await self.close()
             raise SlurmConnectionLost(f"SSH command on connection {self.ssh_conn_id!r} failed: {exc}") from exc
-        return RemoteResult(result.exit_status or 0, str(result.stdout or ""), str(result.stderr or ""))
+        if result.exit_status is None:
+            # no exit status: sshd went away mid-command (or the command died of a signal); its output is partial,
+            # so this is a lost connection to retry, not an answer (an empty `scontrol show job` is not a job)
+            await self.close()
+            signal = f" (signal {result.exit_signal[0]})" if result.exit_signal else ""
+            raise SlurmConnectionLost(
+                f"SSH command on connection {self.ssh_conn_id!r} ended without an exit status{signal}: "
+                f"{shlex.join(argv)}"
+            )
+        return RemoteResult(result.exit_status, str(result.stdout or ""), str(result.stderr or ""))
 
     async def status(self, job_id: str) -> SlurmJobStatus | None:
         shown = await self.run(scontrol_argv(job_id))

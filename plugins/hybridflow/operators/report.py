@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 # Where the nightly DAG's stages leave their figures.
 NIGHTLY_SOURCES = {
+    "plan": "preflight.plan",  # the training placement (CPU or GPU) and whether the run trains
+    "prepare": "training.prepare",  # the evaluation placement
     "quality": "quality.quality_gate",
     "preflight": "preflight.allreduce_preflight",
     "training": "training.train",
@@ -42,11 +44,31 @@ class RunReportOperator(BaseOperator):
         task_id = self.sources.get(section)
         return context["ti"].xcom_pull(task_ids=task_id, key=key) if task_id else None
 
+    def _history(self, config, dag_id: str) -> list | None:
+        """The last nights of this DAG's training runs in MLflow; None (said in the report) when MLflow does not
+        answer or no connection names it: the report is written anyway."""
+        from airflow.sdk.exceptions import AirflowNotFoundException
+
+        from hybridflow.exceptions import MlflowUnavailable
+        from hybridflow.hooks.mlflow import MlflowHook
+        from hybridflow.ui import is_dag_id
+        from hybridflow.utils.mlflow_tracking import nightly_history
+
+        if not is_dag_id(dag_id):  # it goes into the search filter
+            return None
+        try:
+            runs = MlflowHook().search_runs(config.nightly.mlflow_experiment,
+                                            f"tags.`hybridflow.dag_id` = '{dag_id}' and attributes.status = 'FINISHED'")
+        except (MlflowUnavailable, AirflowNotFoundException) as error:
+            self.log.warning("no 'last 30 nights' chart: %s", error)
+            return None
+        return nightly_history(runs)
+
     def execute(self, context: Context) -> dict:
         from pathlib import Path
 
         from hybridflow.config import pipeline_config
-        from hybridflow.pipeline.nightly import training_figures
+        from hybridflow.pipeline.nightly import placement_figures, training_figures
         from hybridflow.pipeline.nightly_tasks import read_cluster_json, scoring_figures
         from hybridflow.pipeline.report import write_report
 
@@ -56,6 +78,7 @@ class RunReportOperator(BaseOperator):
         train = self.pull(context, "training")
         metrics = read_cluster_json(config, f"{train['run_dir']}/metrics.json") if train else None
         decision = self.pull(context, "evaluation")
+        plan, prepared = self.pull(context, "plan") or {}, self.pull(context, "prepare") or {}
         deploy = self.pull(context, "deploy") or self.pull(context, "deploy", key="deploy_report")
         figures = {
             "dag_id": dag_id, "run_id": run_id, "ds": ds,
@@ -65,8 +88,11 @@ class RunReportOperator(BaseOperator):
                         "checks": [{"name": c.get("check"), "column": c.get("column"), "observed": c.get("observed"),
                                     "expected": c.get("expected"), "passed": c.get("status") != "failed"}
                                    for c in quality.get("checks", [])]} if quality else None,
+            "placement": placement_figures(plan.get("placement") if plan.get("train") else None,
+                                           prepared.get("evaluation_placement")),
             "training": training_figures(train, metrics, self.pull(context, "preflight")),
             "evaluation": _evaluation(decision),
+            "record": _record(train, decision, config.nightly.mlflow_experiment, self._history(config, dag_id)),
             "scoring": scoring_figures(config, ds),
             "deploy": deploy,
         }
@@ -83,6 +109,19 @@ def _evaluation(decision: Mapping[str, Any] | None) -> dict | None:
     if not decision:
         return None
     return {key: decision.get(key) for key in ("challenger", "champion", "decision", "margin", "reason")}
+
+
+def _record(train: Mapping[str, Any] | None, decision: Mapping[str, Any] | None, experiment: str,
+            history: list | None) -> dict | None:
+    """The run's place in MLflow: its training run, the model version it registered and the nights before it
+    (None: not tracked)."""
+    tracked = (train or {}).get("mlflow")
+    if not tracked:
+        return {"history": history} if history is not None else None
+    registered = decision.get("registered_version") if decision else None
+    return {"run_id": tracked.get("run_id"), "run_url": tracked.get("url"), "experiment": experiment,
+            "model_version": registered, "model_uri": decision.get("model_uri") if registered else None,
+            "promoted": decision.get("promoted_version") is not None if registered else None, "history": history}
 
 
 def report_sections() -> Sequence[str]:

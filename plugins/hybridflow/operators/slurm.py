@@ -49,6 +49,9 @@ class SlurmSubmitOperator(BaseOperator):
     :param requeue: let Slurm requeue the job on preemption or node failure; followed up to ``max_requeues``.
     :param signal: ``SIG@seconds`` sent before the time limit so the job can checkpoint.
     :param deferrable: wait in the triggerer (default) instead of holding a worker slot.
+    :param hide_gpus_without_gres: a job that asks for no GPU (``gpus_per_node`` 0) exports
+        ``CUDA_VISIBLE_DEVICES=''``, so it runs on its CPUs even on a node whose GPUs Slurm does not fence
+        (``ConstrainDevices``): the CPU placement of training and evaluation.
 
     ``max_requeues`` and ``poll_interval_s`` default to the pipeline config's
     (:class:`~hybridflow.config.ClusterConfig`).
@@ -88,6 +91,7 @@ class SlurmSubmitOperator(BaseOperator):
         log_tail_lines: int = 40,
         runbook: str = DEFAULT_RUNBOOK,
         deferrable: bool = True,
+        hide_gpus_without_gres: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -116,7 +120,13 @@ class SlurmSubmitOperator(BaseOperator):
         self.log_tail_lines = log_tail_lines
         self.runbook = runbook
         self.deferrable = deferrable
+        self.hide_gpus_without_gres = hide_gpus_without_gres
         self.job_id: str | None = None
+
+    @property
+    def placement_side(self) -> str:
+        """``"cpu"`` for a job that asks for no GPU, else ``"gpu"``."""
+        return "gpu" if _whole(self.gpus_per_node, "gpus_per_node") else "cpu"
 
     @cached_property
     def hook(self) -> SlurmHook:
@@ -140,6 +150,9 @@ class SlurmSubmitOperator(BaseOperator):
         from hybridflow.utils.slurm import SlurmJobSpec
 
         time_limit = int(self.time_limit) if str(self.time_limit).isdigit() else self.time_limit
+        env = self.env
+        if self.hide_gpus_without_gres and self.placement_side == "cpu":
+            env = {"CUDA_VISIBLE_DEVICES": "", **self.env}
         return SlurmJobSpec(
             job_name=name, partition=self.partition, command=self.command, nodes=_whole(self.nodes, "nodes"),
             gpus_per_node=_whole(self.gpus_per_node, "gpus_per_node"),
@@ -147,7 +160,7 @@ class SlurmSubmitOperator(BaseOperator):
             cpus_per_task=self.cpus_per_task,
             mem=self.mem, time_limit=time_limit, account=self.account, qos=self.qos, constraint=self.constraint,
             signal=self.signal, requeue=self.requeue, output=f"{self.log_dir}/%x-%j.out",
-            error=f"{self.log_dir}/%x-%j.err", comment=comment, setup_lines=self.setup_lines, env=self.env,
+            error=f"{self.log_dir}/%x-%j.err", comment=comment, setup_lines=self.setup_lines, env=env,
         )
 
     def execute(self, context: Context) -> dict:
@@ -167,7 +180,8 @@ class SlurmSubmitOperator(BaseOperator):
                 self._refuse_impossible_shape(spec)
             self.hook.run(["mkdir", "-p", "--", self.log_dir])
             self.job_id = self.hook.submit(render_sbatch_script(spec))
-            self.log.info("Submitted Slurm job %s (%s) to partition %s", self.job_id, name, self.partition)
+            self.log.info("Submitted Slurm job %s (%s) to partition %s (%s)", self.job_id, name, self.partition,
+                          f"{spec.gpus_per_node} GPU(s) per node" if spec.gpus_per_node else "no GPU")
         context["ti"].xcom_push(key=XCOM_JOB_ID, value=self.job_id)
 
         if existing is not None and existing.final(self.requeue):

@@ -7,8 +7,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.config import NightlyConfig
-from hybridflow.exceptions import GateFailed
-from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.exceptions import GateFailed, SlurmJobFailed
+from hybridflow.operators.slurm import SlurmSubmitOperator, _whole
+from hybridflow.ui import XCOM_MLFLOW_RUN_URL, MlflowRunLink
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -76,25 +77,46 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
 
     Data-parallel: ``nodes`` x ``gpus_per_node`` ranks, one per GPU, started by ``srun`` (``ranks_per_node``
     defaults to ``gpus_per_node``); the job reads its rank, world size and master address from Slurm.
+
+    CPU placement (``gpus_per_node`` 0, ``ranks_per_node`` N, on a CPU partition): no GRES, N CPU processes per
+    node (gloo), ``CUDA_VISIBLE_DEVICES`` empty; the utilization report then reads "no GPU allocated (cpu
+    placement)" instead of judging GPU utilization.
+
+    Tracking (``mlflow_conn_id``; None turns it off): the task is one MLflow run in ``mlflow_experiment`` per
+    generation, found again by every retry, clear and requeue (its id in ``<run_dir>/mlflow_run.json``). Rank 0
+    logs step figures live where the compute nodes reach the server; after the job this task logs what the server
+    has not got (``step_metrics.jsonl``), the final figures, tags and the artifacts (run config, metrics, the
+    exported model with its signature and input example). An unreachable server never stops training: the task
+    says so, and if the server is still down once the job has COMPLETED the task fails so that its retry
+    (reattaching to the finished job, not training again) logs the run.
     """
 
     template_fields: Sequence[str] = (*GenerationSlurmSubmitOperator.template_fields, "run_config", "run_dir")
+    operator_extra_links = (*GenerationSlurmSubmitOperator.operator_extra_links, MlflowRunLink())
     template_fields_renderers = {**SlurmSubmitOperator.template_fields_renderers, "run_config": "json"}
 
     def __init__(self, *, run_config: Mapping[str, Any] | str, run_dir: str, python: str, jobs_dir: str,
                  min_gpu_utilization_pct: float = NightlyConfig.min_gpu_utilization_pct,
-                 fail_on_low_utilization: bool = NightlyConfig.fail_on_low_utilization, **kwargs):
+                 fail_on_low_utilization: bool = NightlyConfig.fail_on_low_utilization,
+                 mlflow_conn_id: str | None = "mlflow_default",
+                 mlflow_experiment: str = NightlyConfig.mlflow_experiment, **kwargs):
+        from hybridflow.utils.mlflow_tracking import validate_experiment_name
+
         # paths derived from run_dir move with it to a generation's directory; ones given explicitly stay
         paths_from_run_dir = {key for key in ("log_dir", "progress_path") if key not in kwargs}
         kwargs.setdefault("log_dir", f"{run_dir}/logs")
         kwargs.setdefault("progress_path", f"{run_dir}/progress.json")
         kwargs.setdefault("ranks_per_node", kwargs.get("gpus_per_node", 1))
+        kwargs.setdefault("hide_gpus_without_gres", True)  # the CPU placement trains on CPUs, whatever the node has
         super().__init__(command=[python, f"{jobs_dir}/train.py", "--config", f"{run_dir}/config.json"], **kwargs)
         self.run_config = run_config if isinstance(run_config, str) else dict(run_config)
         self.run_dir = run_dir
         self.min_gpu_utilization_pct = min_gpu_utilization_pct
         self.fail_on_low_utilization = fail_on_low_utilization
+        self.mlflow_conn_id = mlflow_conn_id
+        self.mlflow_experiment = validate_experiment_name(mlflow_experiment, "mlflow_experiment")
         self._paths_from_run_dir = paths_from_run_dir
+        self._context: Context | None = None
 
     def render_template_fields(self, context: Context, jinja_env=None) -> None:
         super().render_template_fields(context, jinja_env)
@@ -121,27 +143,202 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         if not isinstance(run_config, dict):
             raise TypeError(f"run_config must be a JSON object, got {type(run_config).__name__}")
         self.hook.run(["mkdir", "-p", "--", self.run_dir])
-        self.hook.write_text(f"{self.run_dir}/config.json",
-                             json.dumps({**run_config, "run_dir": self.run_dir}, indent=2, sort_keys=True))
+        self._context = context
+        job_config = {**run_config, "run_dir": self.run_dir}
+        tracking = self._start_tracking(context, run_config)
+        if tracking is not None:
+            job_config["tracking"] = tracking
+        self.hook.write_text(f"{self.run_dir}/config.json", json.dumps(job_config, indent=2, sort_keys=True))
         return super().execute(context)
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
+        self._context = context
+        return super().execute_complete(context, event)
+
+    # --- MLflow ---------------------------------------------------------------------------------------------
+
+    def _mlflow(self):
+        """The hook, or None when tracking is off (no conn id, or the connection is not defined: said once)."""
+        from airflow.sdk.exceptions import AirflowNotFoundException
+
+        from hybridflow.hooks.mlflow import MlflowHook
+
+        if not self.mlflow_conn_id:
+            return None
+        hook = MlflowHook(self.mlflow_conn_id)
+        try:
+            hook.tracking_uri  # noqa: B018 (reads the connection)
+        except AirflowNotFoundException:
+            self.log.warning("connection %r is not defined: this training run is not tracked in MLflow (define it, "
+                             "README 'Pointing it at real clusters', or pass mlflow_conn_id=None)", self.mlflow_conn_id)
+            return None
+        return hook
+
+    def _identity(self, context: Context):
+        from hybridflow.utils.mlflow_tracking import TrainingRunIdentity
+        from hybridflow.utils.slurm_jobs import generation
+
+        ti = context["ti"]
+        return TrainingRunIdentity(ti.dag_id, ti.task_id, ti.run_id, generation(self.retrain))
+
+    def _tracking_run(self, mlflow, context: Context, run_config: Mapping[str, Any] | None) -> dict:
+        """This task's MLflow run: the one its run directory names, else the one tagged with its identity, else a
+        new one (a retrain generation's linked to generation 0's). Params are logged once, before the job."""
+        import time
+
+        from hybridflow.utils import mlflow_tracking as tracking
+
+        identity = self._identity(context)
+        run_file = f"{self.run_dir}/{tracking.RUN_FILE}"
+        stored = tracking.stored_run_id(self.hook.read_text(run_file))
+        run = mlflow.get_run(stored) if stored else None
+        if run is None:
+            experiment_id = mlflow.experiment_id(self.mlflow_experiment)
+            run = mlflow.find_run_by_tag(experiment_id, tracking.RUN_KEY_TAG, identity.key_sha)
+            if run is None:
+                tags = tracking.start_tags(identity, try_number=getattr(context["ti"], "try_number", None),
+                                           ds=context.get("ds"))
+                if identity.generation:
+                    first = mlflow.find_run_by_tag(experiment_id, tracking.RUN_KEY_TAG,
+                                                   identity.first_generation().key_sha)
+                    if first is not None:
+                        tags[tracking.RETRAIN_OF_TAG] = first["info"]["run_id"]
+                run = mlflow.create_run(experiment_id, identity.run_name, tags, int(time.time() * 1000))
+            self.hook.write_text(run_file, json.dumps({
+                "run_id": run["info"]["run_id"], "experiment_id": run["info"]["experiment_id"],
+                "tracking_uri": mlflow.tracking_uri}, indent=2) + "\n")
+        if run["info"].get("status") != "RUNNING":  # an earlier attempt's job failed; this attempt goes on
+            mlflow.set_status(run["info"]["run_id"], "RUNNING")
+        if run_config is not None and not (run.get("data") or {}).get("params"):
+            mlflow.log_batch(run["info"]["run_id"], params=tracking.training_params(
+                run_config, nodes=_whole(self.nodes, "nodes"), gpus_per_node=_whole(self.gpus_per_node,
+                "gpus_per_node"), ranks_per_node=_whole(self.ranks_per_node, "ranks_per_node")))
+        return run
+
+    def _start_tracking(self, context: Context, run_config: Mapping[str, Any]) -> dict | None:
+        """The job's ``tracking`` section (its MLflow run, the server as the nodes see it, a 0600 credentials
+        file), or None when tracking is off or the server does not answer now."""
+        from hybridflow.exceptions import MlflowUnavailable
+        from hybridflow.utils.mlflow_tracking import CREDENTIALS_FILE
+
+        mlflow = self._mlflow()
+        if mlflow is None:
+            return None
+        try:
+            run = self._tracking_run(mlflow, context, run_config)
+        except MlflowUnavailable as error:
+            self.log.warning("MLflow unavailable before the job (%s): training goes on without live tracking; this "
+                             "task logs the run after the job", error)
+            return None
+        self.hook.write_private(f"{self.run_dir}/{CREDENTIALS_FILE}", json.dumps(mlflow.job_credentials()))
+        url = mlflow.run_url(run["info"]["experiment_id"], run["info"]["run_id"])
+        context["ti"].xcom_push(key=XCOM_MLFLOW_RUN_URL, value=url)  # the task's "MLflow run" link, from now on
+        self.log.info("MLflow run %s: %s", run["info"]["run_id"], url)
+        return {"uri": mlflow.tracking_uri_on_cluster, "run_id": run["info"]["run_id"],
+                "credentials_file": CREDENTIALS_FILE}
+
+    def _log_step_metrics(self, mlflow, run_id: str) -> tuple[int, int]:
+        """The job's step points the run lacks (not sent live); (logged now, written by the job)."""
+        from hybridflow.utils import mlflow_tracking as tracking
+
+        records = tracking.read_step_metrics(self.hook.read_text(f"{self.run_dir}/{tracking.STEP_METRICS_FILE}") or "")
+        missing = tracking.records_to_log(records, mlflow.logged_steps(run_id, {r["key"] for r in records}))
+        mlflow.log_batch(run_id, metrics=missing)
+        return len(missing), len(records)
+
+    def _end_mlflow_run_failed(self, status: SlurmJobStatus) -> None:
+        """A failed job: its steps logged, the run FAILED with the job's end in tags (a retry reopens it). Best
+        effort: the job's failure is what the task reports."""
+        import time
+
+        from hybridflow.exceptions import MlflowUnavailable
+        from hybridflow.utils import mlflow_tracking as tracking
+
+        mlflow = self._mlflow()
+        run_id = tracking.stored_run_id(self.hook.read_text(f"{self.run_dir}/{tracking.RUN_FILE}"))
+        try:
+            if mlflow is not None and run_id is not None:
+                self._log_step_metrics(mlflow, run_id)
+                mlflow.log_batch(run_id, tags={"hybridflow.slurm_job_id": status.job_id,
+                                               "hybridflow.job_end": _job_end(status)})
+                mlflow.finish_run(run_id, "FAILED", int(time.time() * 1000))
+        except MlflowUnavailable as error:
+            self.log.warning("could not mark MLflow run %s FAILED: %s", run_id, error)
+        finally:
+            self.hook.remove(f"{self.run_dir}/{tracking.CREDENTIALS_FILE}")
+
+    def _log_to_mlflow(self, status: SlurmJobStatus, metrics: Mapping[str, Any], gpu_hours: float | None):
+        """After a COMPLETED job: what the run lacks (steps the job could not log live), final figures, tags,
+        artifacts; the run FINISHED. Returns the run's id and address for the XCom, or None when tracking is off.
+        Raises MlflowUnavailable (the task fails; its retry reattaches to the finished job and logs again)."""
+        import time
+
+        from hybridflow.utils import mlflow_tracking as tracking
+
+        mlflow = self._mlflow()
+        if mlflow is None or self._context is None:
+            return None
+        run_config_text = self.hook.read_text(f"{self.run_dir}/config.json") or "{}"
+        run_config = json.loads(run_config_text)
+        run_config.pop("tracking", None)
+        run = self._tracking_run(mlflow, self._context, run_config)
+        run_id, experiment_id = run["info"]["run_id"], run["info"]["experiment_id"]
+        logged_now, written = self._log_step_metrics(mlflow, run_id)
+        step = metrics.get("step") or 0
+        final = [{"key": key, "value": value, "timestamp": int(time.time() * 1000), "step": step}
+                 for key, value in tracking.final_metrics(metrics, gpu_hours=gpu_hours).items()]
+        already = tracking.records_to_log(final, mlflow.logged_steps(run_id, {r["key"] for r in final}))
+        mlflow.log_batch(run_id, metrics=already,
+                         tags=tracking.finish_tags(metrics, slurm_job_id=status.job_id, partition=self.partition)
+                         | {"hybridflow.job_end": _job_end(status)})
+        artifact_uri = run["info"]["artifact_uri"]
+        mlflow.upload_artifact(artifact_uri, "run/config.json", run_config_text.encode())
+        mlflow.upload_artifact(artifact_uri, "run/metrics.json", json.dumps(metrics, indent=2).encode())
+        for name in ("model.pt", "signature.json", "smoke.json"):
+            content = self.hook.read_bytes(f"{self.run_dir}/export/{name}")
+            if content is not None:
+                mlflow.upload_artifact(artifact_uri, f"model/{name}", content)
+        mlflow.finish_run(run_id, "FINISHED", int(time.time() * 1000))
+        self._context["ti"].xcom_push(key=XCOM_MLFLOW_RUN_URL, value=mlflow.run_url(experiment_id, run_id))
+        self.hook.remove(f"{self.run_dir}/{tracking.CREDENTIALS_FILE}")
+        self.log.info("MLflow run %s FINISHED: %d step points logged after the job (%d were live), %d final "
+                      "figures, model artifacts; %s", run_id, logged_now, written - logged_now, len(already),
+                      mlflow.run_url(experiment_id, run_id))
+        return {"run_id": run_id, "experiment_id": experiment_id, "url": mlflow.run_url(experiment_id, run_id),
+                "logged_after_job": logged_now}
 
     def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:
         from hybridflow.pipeline.gates import utilization_report
         from hybridflow.utils.slurm_jobs import generation
 
-        result = super()._finish(status, message)  # raises unless the job COMPLETED
+        try:
+            result = super()._finish(status, message)  # raises unless the job COMPLETED
+        except SlurmJobFailed:
+            self._end_mlflow_run_failed(status)
+            raise
         metrics = json.loads(self.hook.read_text(f"{self.run_dir}/metrics.json") or "{}")
         allocated = status.alloc_tres.get("gres/gpu")
         gpus = int(allocated) if str(allocated or "").isdigit() else None
-        report = utilization_report(gpus, status.elapsed_s, metrics.get("gpu"), self.min_gpu_utilization_pct)
+        report = utilization_report(gpus, status.elapsed_s, metrics.get("gpu"), self.min_gpu_utilization_pct,
+                                    side=self.placement_side)
+        # the run is the record of what was trained, also when the utilization gate then fails the task
+        tracked = self._log_to_mlflow(status, metrics, report.gpu_hours)
         if report.verdict == "low" and self.fail_on_low_utilization:
             raise GateFailed(report.message)
         (self.log.warning if report.verdict != "ok" else self.log.info)("GPU utilization: %s", report.message)
         result.update(
             run_dir=self.run_dir,
+            partition=self.partition,
+            placement_side=self.placement_side,
             retrain=generation(self.retrain),
             metrics=summarise_metrics(metrics),
             utilization={"gpu_hours": report.gpu_hours, "mean_utilization_pct": report.mean_utilization_pct,
                          "verdict": report.verdict, "message": report.message},
         )
+        result["mlflow"] = tracked
         return result
+
+
+def _job_end(status: SlurmJobStatus) -> str:
+    """How a job ended, as its MLflow tag: ``COMPLETED 0:0``, ``FAILED 2:0``."""
+    return f"{status.state} {status.exit_code}:{status.exit_signal}"

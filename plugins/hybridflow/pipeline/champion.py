@@ -9,6 +9,7 @@ from typing import Any
 FIRST_MODEL = "first_model"
 PROMOTE = "promote"
 KEEP_CHAMPION = "keep_champion"
+CHAMPION_MOVED = "champion_moved"  # it won, but another run moved the champion first (pipeline/registry.py)
 
 
 @dataclass(frozen=True)

@@ -59,17 +59,24 @@ def preflight_verdict(result: Mapping | None, now: datetime,
 class UtilizationReport:
     gpu_hours: float | None
     mean_utilization_pct: float | None
-    verdict: str  # "ok", "low", "not_measured"
+    verdict: str  # "ok", "low", "not_measured", "no_gpu"
     message: str
 
 
+NO_GPU_MESSAGE = "no GPU allocated (cpu placement)"
+
+
 def utilization_report(alloc_gpus: int | None, elapsed_s: float | None, gpu_summary: Mapping | None,
-                       min_utilization_pct: float = NightlyConfig.min_gpu_utilization_pct) -> UtilizationReport:
+                       min_utilization_pct: float = NightlyConfig.min_gpu_utilization_pct,
+                       side: str = "gpu") -> UtilizationReport:
     """GPU-hours from the allocation (AllocTRES x Elapsed) and the mean utilization the job sampled.
 
     GPU-hours are None ("not measured", with the reason) when the allocation or the elapsed time is unknown:
-    never a 0 that reads as measured.
+    never a 0 that reads as measured. A job placed on the CPU side (``side="cpu"``) asked for no GPU: 0 GPU-hours,
+    and its utilization is not judged (a node's GPUs it may see belong to other jobs).
     """
+    if side == "cpu" and not alloc_gpus:
+        return UtilizationReport(0.0, None, "no_gpu", f"{NO_GPU_MESSAGE}: GPU utilization not judged")
     if alloc_gpus is None or elapsed_s is None:
         unknown = "allocated GPUs" if alloc_gpus is None else "elapsed time"
         gpu_hours, hours_text = None, f"GPU-hours not measured (Slurm reported no {unknown})"

@@ -18,14 +18,19 @@ class RunPlan:
     deploy_mode: str
     dry_run: bool
     reason: str
+    # where training runs (hybridflow.pipeline.placement.TrainingPlacement.as_dict()); the capacity gate, the
+    # train task and the report read it from the plan's XCom
+    placement: Mapping[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def plan_run(run_type: str, params: Mapping[str, Any], ds: str) -> RunPlan:
+def plan_run(run_type: str, params: Mapping[str, Any], ds: str,
+             placement: Mapping[str, Any] | None = None) -> RunPlan:
     """``train=auto`` trains on scheduled and manual runs, not in a backfill (a backfill recomputes features and
-    re-scores history with the model of record). ``deploy`` is decided after evaluation (see should_deploy)."""
+    re-scores history with the model of record). ``deploy`` is decided after evaluation (see should_deploy).
+    ``placement`` (CPU or GPU, hybridflow.pipeline.placement) is carried as decided."""
     train_mode, deploy_mode = params.get("train", "auto"), params.get("deploy", "auto")
     for name, mode in (("train", train_mode), ("deploy", deploy_mode)):
         if mode not in MODES:
@@ -41,7 +46,7 @@ def plan_run(run_type: str, params: Mapping[str, Any], ds: str) -> RunPlan:
         deploy_mode = "never"
         reason += "; a backfill never redeploys unless deploy=always"
     return RunPlan(ds=ds, train=train, deploy_mode=deploy_mode, dry_run=bool(params.get("dry_run", False)),
-                   reason=reason)
+                   reason=reason, placement=dict(placement) if placement is not None else None)
 
 
 def training_window(ds: str, window_days: int, published: Iterable[str]) -> list[str]:
@@ -102,16 +107,25 @@ def scoring_figures(manifest: Mapping[str, Any] | None, executor_cores: int) -> 
 def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any] | None,
                      preflight: str | None = None) -> dict[str, Any] | None:
     """From the training task's return value, the job's metrics.json and the preflight gate's summary (None when
-    the run did not train)."""
+    the run did not train). A job on the CPU side (its result's ``placement_side``) holds no GPU: 0 GPUs, and its
+    CPU-hours (AllocTRES cpu x Elapsed) are what it cost."""
     if not result:
         return None
     summary, utilization, metrics = result.get("metrics") or {}, result.get("utilization") or {}, metrics or {}
-    gpus = (result.get("alloc_tres") or {}).get("gres/gpu")
+    tres = result.get("alloc_tres") or {}
+    side = result.get("placement_side") or "gpu"
+    gpus = tres.get("gres/gpu", "0" if side == "cpu" else None)
+    cpus, elapsed = _whole_number(tres.get("cpu")), result.get("elapsed_s")
     return {
         "job_id": result.get("job_id"),
         "state": result.get("state"),
-        "elapsed_s": result.get("elapsed_s"),
-        "gpus": int(gpus) if gpus is not None else None,
+        "elapsed_s": elapsed,
+        "placement_side": side,
+        "partition": result.get("partition"),
+        "gpus": _whole_number(gpus),
+        "cpus": cpus,
+        "cpu_hours": cpus * elapsed / 3600 if cpus is not None and isinstance(elapsed, int | float) else None,
+        "utilization_verdict": utilization.get("message"),
         "ranks": summary.get("world_size"),
         "nodes": summary.get("nodes"),
         "rank_placement": ", ".join(summary.get("ranks") or []) or None,
@@ -128,6 +142,27 @@ def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any
         "step": summary.get("step"),
         "loss_curve": loss_points(metrics.get("loss_curve")),
     }
+
+
+def _whole_number(value: Any) -> int | None:
+    return int(value) if str(value if value is not None else "").isdigit() else None
+
+
+def placement_figures(training: Mapping[str, Any] | None,
+                      evaluation: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The run report's placement figures: the plan's training decision (TrainingPlacement.as_dict()) and the
+    prepare task's evaluation decision (EvaluationPlacement.as_dict()); None when the run did not train."""
+    if not training:
+        return None
+    evaluation = evaluation or {}
+    figures = {key: training.get(key) for key in ("device", "side", "partition", "gpus_per_node", "ranks_per_node",
+                                                  "rule", "reason", "gpu_speedup", "min_gpu_speedup")}
+    for side in ("cpu", "gpu"):
+        measured = training.get(side) or {}
+        figures[side] = {key: measured.get(key) for key in ("rows_per_s", "usd_per_1k_rows", "measured")}
+    figures["evaluation"] = {key: evaluation.get(key) for key in ("side", "partition", "gpus_per_node", "reason",
+                                                                 "cpu_s", "max_cpu_s")} if evaluation else None
+    return figures
 
 
 def loss_points(curve: Any) -> list[list[float]] | None:

@@ -10,12 +10,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config import PipelineConfig, model_preset_names
+from hybridflow.config import PipelineConfig, model_preset_hidden_sizes, model_preset_names
 from hybridflow.exceptions import HybridflowError
 from hybridflow.paths import jobs_dir
-from hybridflow.pipeline import nightly, quality
+from hybridflow.pipeline import nightly, placement, quality
 from hybridflow.pipeline.registry import ModelRegistry
 from hybridflow.utils.slurm_jobs import generation, generation_run_dir
+
+
+def plan(config: PipelineConfig, run_type: str, params: dict[str, Any], ds: str) -> nightly.RunPlan:
+    """What the run does (nightly.plan_run) and where it trains: CPU or GPU for its preset (placement), decided
+    once here; the capacity gate and the train task read the partition and GPUs per node from this plan."""
+    cfg = config.nightly
+    where = placement.training_placement(
+        params.get("model_preset", cfg.model_preset), params.get("device", cfg.device), params.get("gpus", cfg.gpus),
+        placement=config.placement, costs=config.costs, cpus_per_task=cfg.cpus_per_task,
+        gpu_partition=config.cluster.partition)
+    return nightly.plan_run(run_type, params, ds, placement=where.as_dict())
 
 
 def simulate_raw_events(config: PipelineConfig, ds: str) -> str:
@@ -74,14 +85,54 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
         "deepspeed_config": f"{code}/include/deepspeed/zero{cfg.zero_stage}.json",
         "torch_threads": cfg.torch_threads,
     }
-    champion = ModelRegistry(config.storage.root, cfg.model_name).champion()
+    champion = model_registry(config).champion()
+    evaluation = evaluation_placement(config, params, window, champion)
     return {
         "run_dir": run_dir,
         "run_config": run_config,
         "train_ds": ",".join(window),
         "champion_model": champion["model_path"] if champion else "",
         "champion_version": champion["version"] if champion else None,
+        # where the evaluation job runs (the evaluate task's partition and GPUs), and why
+        "eval_partition": evaluation.partition,
+        "eval_gpus": evaluation.gpus_per_node,
+        "evaluation_placement": evaluation.as_dict(),
     }
+
+
+def evaluation_placement(config: PipelineConfig, params: dict[str, Any], window: list[str],
+                         champion: dict[str, Any] | None) -> placement.EvaluationPlacement:
+    """CPU or GPU for the evaluation job: the challenger's parameters from its preset, the champion's from its
+    export's signature.json (written by the training job), the holdout's size from the window's manifests."""
+    n_features = len(quality.load_contract().feature_columns)
+    challenger = placement.mlp_parameters(n_features, model_preset_hidden_sizes()[params["model_preset"]])
+    layout = config.storage.layout
+    counts = []
+    for ds in window:
+        manifest = Path(layout.partition("features", ds)) / "_MANIFEST.json"
+        counts.append(_read_json(manifest).get("row_count") if manifest.is_file() else None)
+    rows = placement.holdout_rows(counts, config.placement.evaluation.holdout_fraction)
+    return placement.evaluation_placement(
+        challenger, champion_parameters(champion), rows, config=config.placement.evaluation,
+        cpu_partition=config.placement.cpu_partition, gpu_partition=config.cluster.partition,
+        device=params.get("device", config.nightly.device))
+
+
+def champion_parameters(champion: dict[str, Any] | None) -> int | None:
+    """0 without a champion; its parameters as its export recorded them; None when not recorded."""
+    if champion is None:
+        return 0
+    model = _read_json(Path(champion["export_dir"]) / "signature.json").get("model")
+    count = model.get("n_parameters") if isinstance(model, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def read_cluster_json(config: PipelineConfig, path: str) -> dict[str, Any] | None:
@@ -95,35 +146,59 @@ def read_cluster_json(config: PipelineConfig, path: str) -> dict[str, Any] | Non
     return json.loads(text) if text else None
 
 
+def model_registry(config: PipelineConfig) -> ModelRegistry:
+    """The registry of ``nightly.model_name`` on the MLflow server of connection ``mlflow_default``."""
+    from hybridflow.hooks.mlflow import MlflowHook
+
+    return ModelRegistry(MlflowHook(), config.storage.root, config.nightly.model_name)
+
+
 def decide_and_publish(config: PipelineConfig, prepared: dict[str, Any], ds: str, run_id: str) -> dict[str, Any]:
-    """Champion/challenger on the evaluation job's result; a winning challenger becomes the model of record."""
-    from hybridflow.pipeline.champion import decide
+    """Champion/challenger on the evaluation job's result. The trained model becomes a registry version (alias
+    challenger) with the decision and its reason in tags; a winning challenger then takes the champion alias,
+    if the champion is still the one it was compared with."""
+    from hybridflow.pipeline.champion import CHAMPION_MOVED, decide
+    from hybridflow.utils.mlflow_tracking import RUN_FILE, stored_run_id
 
     run_dir = prepared["run_dir"]
     evaluation = read_cluster_json(config, f"{run_dir}/evaluation.json")
     if evaluation is None:
         raise HybridflowError(f"{run_dir}/evaluation.json is missing: the evaluation job did not write it; "
                               "see its log (runbook: include/runbooks/evaluation.md)")
+    tracking = read_cluster_json(config, f"{run_dir}/{RUN_FILE}")
+    training_run = stored_run_id(json.dumps(tracking)) if tracking else None
+    if training_run is None:
+        raise HybridflowError(f"{run_dir}/{RUN_FILE} names no MLflow run: the training task logs its run when it "
+                              "ends; clear it (it follows its finished job, it does not train again) and retry")
     decision = decide(evaluation, config.nightly.min_auc_gain, prepared["champion_version"])
-    result = {**decision.as_dict(), "holdout_rows": evaluation.get("holdout_rows"), "promoted_version": None}
+    registry = model_registry(config)
+    record = registry.register(f"{run_dir}/export", run_id=training_run, details={
+        "airflow_run_id": run_id, "ds": ds, "train_ds": prepared["train_ds"], "auc": decision.challenger["auc"],
+        "log_loss": decision.challenger["log_loss"], "decision": decision.decision, "reason": decision.reason})
+    result = {**decision.as_dict(), "holdout_rows": evaluation.get("holdout_rows"), "promoted_version": None,
+              "registered_version": record["version"], "mlflow_run_id": training_run,
+              "model_uri": f"models:/{registry.model_name}/{record['version']}"}
     if decision.promotes:
-        record = ModelRegistry(config.storage.root, config.nightly.model_name).promote(
-            f"{run_dir}/export",
-            {"run_id": run_id, "ds": ds, "train_ds": prepared["train_ds"], "auc": decision.challenger["auc"],
-             "log_loss": decision.challenger["log_loss"], "decision": decision.decision, "reason": decision.reason},
-        )
-        result["promoted_version"] = record["version"]
+        outcome = registry.promote(record["version"], expected_champion=prepared["champion_version"],
+                                   reason=decision.reason, holder=run_id)
+        if outcome.promoted:
+            result["promoted_version"] = record["version"]
+        else:
+            result.update(decision=CHAMPION_MOVED, reason=outcome.message)
     return result
 
 
 def model_of_record(config: PipelineConfig) -> dict[str, Any]:
-    champion = ModelRegistry(config.storage.root, config.nightly.model_name).champion()
+    registry = model_registry(config)
+    champion = registry.champion()
     if champion is None:
         raise HybridflowError(
-            f"no model of record for {config.nightly.model_name!r} yet: trigger nightly_training with train=always "
-            "for a recent date first (runbook: include/runbooks/scoring.md)")
+            f"no model of record for {config.nightly.model_name!r} yet (MLflow alias {registry.champion_uri} is "
+            "not set): trigger nightly_training with train=always for a recent date first (runbook: "
+            "include/runbooks/scoring.md)")
     return {"model_path": champion["model_path"], "version": f"v{champion['version']}",
-            "export_dir": champion["export_dir"], "number": champion["version"]}
+            "export_dir": champion["export_dir"], "number": champion["version"], "uri": registry.champion_uri,
+            "run_id": champion["run_id"]}
 
 
 def scoring_figures(config: PipelineConfig, ds: str) -> dict[str, Any] | None:

@@ -10,13 +10,17 @@ from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.pipeline.gates import preflight_verdict
 
 
-def check_latest_preflight(config: PipelineConfig, nodes: int, ranks_per_node: int) -> str:
+def check_latest_preflight(config: PipelineConfig, nodes: int, ranks_per_node: int, side: str = "gpu") -> str:
     """Raise GateFailed unless the newest preflight of this topology is recent and under the share limit.
 
-    A run of one rank all-reduces nothing: it passes with that said.
+    A run of one rank all-reduces nothing: it passes with that said. So does a run placed on the CPU side: the
+    preflight measures the GPU partition's all-reduce, which its ranks do not use.
     """
     if nodes * ranks_per_node == 1:
         return "one rank: training all-reduces no gradients, so there is no interconnect to gate"
+    if side == "cpu":
+        return ("cpu placement: the ranks run as CPU processes on the CPU partition; the GPU partition's all-reduce "
+                "preflight does not apply")
     hook = SlurmHook(config.cluster.ssh_conn_id)
     try:
         text = hook.read_text(config.storage.layout.preflight_result(nodes, ranks_per_node))

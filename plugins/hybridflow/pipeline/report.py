@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,11 +80,36 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
     "quality": ("Data quality gate", _fields(
         ("passed", "passed", "Gate passed", "flag", None),
     )),
+    "placement": ("Placement (CPU or GPU, from measured figures)", _fields(
+        ("device", "device", "Requested device", "text", None),
+        ("side", "side", "Training side", "text", None),
+        ("partition", "partition", "Training partition", "text", None),
+        ("gpus_per_node", "gpus_per_node", "GPUs per node", "count", "GPUs"),
+        ("ranks_per_node", "ranks_per_node", "Ranks per node", "count", "ranks"),
+        ("rule", "rule", "Rule applied", "text", None),
+        ("reason", "reason", "Decision", "text", None),
+        ("cpu_rows_per_s", "cpu.rows_per_s", "CPU training throughput per rank", "number", "rows/s"),
+        ("cpu_usd_per_1k_rows", "cpu.usd_per_1k_rows", "CPU cost per 1,000 rows", "number", "USD"),
+        ("cpu_measured", "cpu.measured", "CPU figure measured", "text", None),
+        ("gpu_rows_per_s", "gpu.rows_per_s", "GPU training throughput per rank", "number", "rows/s"),
+        ("gpu_usd_per_1k_rows", "gpu.usd_per_1k_rows", "GPU cost per 1,000 rows", "number", "USD"),
+        ("gpu_measured", "gpu.measured", "GPU figure measured", "text", None),
+        ("gpu_speedup", "gpu_speedup", "GPU speedup per rank", "number", "x"),
+        ("min_gpu_speedup", "min_gpu_speedup", "GPU wins at a speedup of at least", "number", "x"),
+        ("evaluation_partition", "evaluation.partition", "Evaluation partition", "text", None),
+        ("evaluation_gpus", "evaluation.gpus_per_node", "Evaluation GPUs", "count", "GPUs"),
+        ("evaluation_cpu_s", "evaluation.cpu_s", "Evaluation estimated on CPU", "number", "s"),
+        ("evaluation_reason", "evaluation.reason", "Evaluation decision", "text", None),
+    )),
     "training": ("Training (DeepSpeed on Slurm)", _fields(
         ("job_id", "job_id", "Slurm job id", "text", None),
         ("state", "state", "Final state", "text", None),
         ("elapsed_s", "elapsed_s", "Elapsed", "number", "s"),
+        ("placement_side", "placement_side", "Side", "text", None),
+        ("partition", "partition", "Partition", "text", None),
         ("gpus", "gpus", "GPUs allocated", "count", "GPUs"),
+        ("cpus", "cpus", "CPUs allocated", "count", "CPUs"),
+        ("cpu_hours", "cpu_hours", "CPU-hours", "number", "CPU-h"),
         ("ranks", "ranks", "Ranks (one per GPU)", "count", "ranks"),
         ("nodes", "nodes", "Nodes", "count", "nodes"),
         ("rank_placement", "rank_placement", "Rank placement (rank@node)", "text", None),
@@ -94,6 +120,7 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
         ("gpu_hours", "gpu_hours", "GPU-hours", "number", "GPU-h"),
         ("mean_gpu_utilization_pct", "mean_gpu_utilization_pct", "Mean GPU utilization", "number", "%"),
         ("gpu_utilization_per_gpu", "gpu_utilization_per_gpu", "Utilization per GPU (the job's own)", "text", None),
+        ("utilization_verdict", "utilization_verdict", "GPU utilization verdict", "text", None),
         ("restarts", "restarts", "Restarts (requeues)", "count", None),
         ("train_rows_processed", "train_rows_processed", "Training rows processed", "count", "rows"),
         ("step", "step", "Last step", "count", None),
@@ -109,6 +136,14 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
         ("decision", "decision", "Decision", "text", None),
         ("margin", "margin", "Required margin", "number", None),
         ("reason", "reason", "Reason", "text", None),
+    )),
+    "record": ("MLflow (the system of record)", _fields(
+        ("run_id", "run_id", "Training run", "text", None),
+        ("run_url", "run_url", "Training run page", "link", None),
+        ("experiment", "experiment", "Experiment", "text", None),
+        ("model_version", "model_version", "Registered model version", "text", None),
+        ("model_uri", "model_uri", "Model URI", "text", None),
+        ("promoted", "promoted", "Became the champion", "flag", None),
     )),
     "scoring": ("Batch scoring (Spark)", _fields(
         ("rows", "rows", "Rows scored", "count", "rows"),
@@ -137,16 +172,32 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
 
 # Figures a stage reports as None on purpose, and what that means.
 NOT_MEASURED_WHEN_NONE: dict[str, dict[tuple[str, ...], str]] = {
+    "placement": {
+        **{(side, key): f"no {side.upper()} figure for the preset in pipeline.yaml placement.training"
+           for side in ("cpu", "gpu") for key in ("rows_per_s", "usd_per_1k_rows")},
+        ("gpu_speedup",): "a side's throughput is not measured",
+        **{("evaluation", key): "the evaluation was not planned (no prepare result)"
+           for key in ("partition", "gpus_per_node", "reason")},
+        ("evaluation", "cpu_s"): "the CPU scoring rate or the holdout size is not measured (or no evaluation "
+                                 "was planned)",
+    },
     "training": {("mean_gpu_utilization_pct",): "no GPU sampled", ("gpu_utilization_per_gpu",): "no GPU sampled",
                  ("allreduce_share_in_job",): "one rank all-reduces no gradients"},
     "evaluation": {("champion", key): "no champion (first model)" for key in ("auc", "log_loss", "version")},
     "deploy": {("previous_version",): "no previous version (first deploy)"},
+    "record": {("model_version",): "no model was registered (the evaluation did not run)",
+               ("model_uri",): "no model was registered (the evaluation did not run)",
+               ("promoted",): "no model was registered (the evaluation did not run)"},
 }
+
+DS_PATTERN = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+# A link the report renders as <a href>: http(s), a host, then only characters that need no escaping in a URL
+SAFE_LINK = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/#-]*)?")
 
 CHECK_KEYS = ("name", "column", "observed", "expected", "passed")
 
 COST_LABELS = {
-    "training_run_usd": "Training run (GPU)",
+    "training_run_usd": "Training run (GPU-hours; CPU-hours on the CPU placement)",
     "per_million_training_rows_usd": "Per million training rows",
     "features_cpu_hours": "Features CPU-hours",
     "features_usd": "Features (CPU)",
@@ -168,6 +219,7 @@ CHARTS = (
     Chart("loss_curve", "loss_curve.png", "Training loss"),
     Chart("holdout_metrics", "holdout_metrics.png", "Holdout metrics: challenger vs champion"),
     Chart("deploy_latency", "deploy_latency.png", "Realtime latency vs SLO"),
+    Chart("nightly_history", "nightly_history.png", "Last 30 nights (MLflow)"),
 )
 
 
@@ -207,6 +259,10 @@ def read_figure(raw: Any, kind: str) -> tuple[Any, str | None]:
         if isinstance(raw, bool):
             return raw, None
         return None, f"not a true/false value ({type(raw).__name__})"
+    if kind == "link":
+        if isinstance(raw, str) and SAFE_LINK.fullmatch(raw):
+            return raw, None
+        return None, "not an http(s) address"
     if kind == "text":
         if isinstance(raw, str | int) and not isinstance(raw, bool):
             return _truncate(str(raw)), None
@@ -253,7 +309,26 @@ def build_section(name: str, figures: Any) -> dict:
         section["checks"] = _quality_checks(figures.get("checks"))
     if name == "training":
         section["loss_curve"] = _loss_curve(figures.get("loss_curve"))
+    if name == "record":
+        section["history"] = _history(figures.get("history"))
     return section
+
+
+def _history(nights: Any) -> dict:
+    """The last nights from MLflow: ``{"nights": [{ds, auc, rows, train_s}], "dropped": n}`` (figures that are not
+    finite numbers become None; a night without a valid ds is dropped), or why there is none."""
+    if nights is None:
+        return {"nights": [], "dropped": 0, "why": f"{NOT_MEASURED}: MLflow's run history was not read"}
+    if not isinstance(nights, list):
+        return {"nights": [], "dropped": 0, "why": f"{NOT_MEASURED}: the run history is not a list"}
+    kept, dropped = [], 0
+    for night in nights:
+        ds = night.get("ds") if isinstance(night, Mapping) else None
+        if not isinstance(ds, str) or not DS_PATTERN.fullmatch(ds):
+            dropped += 1
+            continue
+        kept.append({"ds": ds, **{key: _number(night.get(key)) for key in ("auc", "rows", "train_s")}})
+    return {"nights": kept, "dropped": dropped}
 
 
 def _is_explicit_none(figures: Mapping, path: tuple[str, ...]) -> bool:
@@ -339,7 +414,13 @@ def build_costs(sections: Mapping, prices: CostConfig) -> dict:
     """Costs of the run from its measured figures and the prices; each names its basis or what is missing."""
     costs: dict[str, dict] = {}
     gpu_hours = _figure(sections, "training", "gpu_hours")
-    if is_measured(gpu_hours):
+    side, cpu_hours = _figure(sections, "training", "placement_side"), _figure(sections, "training", "cpu_hours")
+    if is_measured(side) and side["value"] == "cpu":  # no GPU held: the run cost its CPU-hours
+        costs["training_run_usd"] = measured(
+            cpu_hours["value"] * prices.cpu_hour_usd, "USD",
+            f"{cpu_hours['value']:.6g} CPU-h x {prices.cpu_hour_usd:g} USD/CPU-h (cpu placement, no GPU)",
+        ) if is_measured(cpu_hours) else _carry_over(cpu_hours)
+    elif is_measured(gpu_hours):
         hours = gpu_hours["value"]
         costs["training_run_usd"] = measured(hours * prices.gpu_hour_usd, "USD",
                                              f"{hours:.6g} GPU-h x {prices.gpu_hour_usd:g} USD/GPU-h")
@@ -435,6 +516,15 @@ def chart_plan(report: Mapping) -> dict[str, str | None]:
         plan["deploy_latency"] = f"{NOT_MEASURED}: no latency percentile from the deploy stage"
     else:
         plan["deploy_latency"] = None
+    record = sections["record"]
+    if not record["ran"]:
+        plan["nightly_history"] = record["why"]
+    elif record["history"].get("why"):
+        plan["nightly_history"] = record["history"]["why"]
+    elif len(record["history"]["nights"]) < 2:
+        plan["nightly_history"] = f"{NOT_MEASURED}: fewer than 2 finished nights in MLflow"
+    else:
+        plan["nightly_history"] = None
     return plan
 
 
@@ -457,6 +547,9 @@ def render_charts(report: Mapping, out_dir: Path) -> list[Path]:
             _draw_loss_curve(figure, sections["training"]["loss_curve"])
         elif chart.name == "holdout_metrics":
             _draw_holdout_metrics(figure, sections["evaluation"]["figures"])
+        elif chart.name == "nightly_history":
+            figure.set_size_inches(6.4, 6.0)
+            _draw_history(figure, sections["record"]["history"]["nights"])
         else:
             _draw_latency(figure, sections["deploy"]["figures"], report["slo"]["p99_ms"])
         figure.suptitle(chart.title)
@@ -473,6 +566,20 @@ def _draw_loss_curve(figure, curve: Mapping) -> None:
     axes.set_xlabel("step")
     axes.set_ylabel("training loss")
     axes.grid(alpha=0.3)
+
+
+def _draw_history(figure, nights: Sequence[Mapping]) -> None:
+    """Holdout AUC, rows trained and training time per night; a night without a figure leaves a gap."""
+    rows = (("auc", "holdout AUC"), ("rows", "rows trained"), ("train_s", "training time (s)"))
+    labels = [night["ds"] for night in nights]
+    for index, (key, label) in enumerate(rows, start=1):
+        axes = figure.add_subplot(len(rows), 1, index)
+        values = [float("nan") if night[key] is None else night[key] for night in nights]
+        axes.plot(range(len(nights)), values, marker="o")
+        axes.set_ylabel(label)
+        axes.grid(alpha=0.3)
+        axes.set_xticks(range(len(nights)), labels if index == len(rows) else [""] * len(nights),
+                        rotation=60, fontsize=7)
 
 
 def _draw_holdout_metrics(figure, figures: Mapping) -> None:
@@ -543,7 +650,8 @@ def render_html(report: Mapping, chart_files: Sequence[str | Path]) -> str:
     drawn = {Path(path).name for path in chart_files}
     plan = chart_plan(report)
     charts = {chart.name: chart for chart in CHARTS}
-    chart_of_section = {"training": "loss_curve", "evaluation": "holdout_metrics", "deploy": "deploy_latency"}
+    chart_of_section = {"training": "loss_curve", "evaluation": "holdout_metrics", "deploy": "deploy_latency",
+                        "record": "nightly_history"}
     title = f"Run report: {report.get('dag_id') or '?'} {report.get('run_id') or '?'}"
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{esc(title)}</title>",
@@ -592,8 +700,15 @@ def _figure_cell(figure: Mapping) -> str:
     return f"<td{css}>{html.escape(format_value(figure))}</td>"
 
 
+def _link_cell(figure: Mapping) -> str:
+    url = html.escape(figure["value"])
+    return f'<td><a href="{url}">{url}</a></td>'
+
+
 def _figures_table(figures: Mapping, spec: Sequence[Field]) -> str:
-    rows = "".join(f"<tr><th>{html.escape(field.label)}</th>{_figure_cell(figures[field.name])}</tr>"
+    rows = "".join(f"<tr><th>{html.escape(field.label)}</th>{_link_cell(figures[field.name])}</tr>"
+                   if field.kind == "link" and is_measured(figures[field.name]) else
+                   f"<tr><th>{html.escape(field.label)}</th>{_figure_cell(figures[field.name])}</tr>"
                    for field in spec)
     return f"<table>{rows}</table>"
 

@@ -2,7 +2,9 @@
 
 The rules come from ``include/config/routing.yaml`` (:func:`load_routing_rules`, validated when loaded, every
 error naming the file and the key). :func:`route` decides from the workload type and, when given, a measured
-profile; :func:`plan_job` turns the decision into the job's argv from the rules' templates. A user's config
+profile or, for a workload that names a model preset (its ``preset_field``), the placement rule nightly_training
+uses (hybridflow.pipeline.placement, :func:`preset_router`); :func:`plan_job` turns the decision into the job's
+argv from the rules' templates. A user's config
 values only fill whitelisted fields, each validated, one argv element at a time: a value is never parsed as a
 template or a command line. Pure apart from reading the rules file.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config import (
+    PipelineConfig,
     build,
     check_integer,
     check_keys,
@@ -33,6 +36,7 @@ from hybridflow.paths import include_dir
 
 __all__ = [
     "PROFILE_METRICS",
+    "PresetRoute",
     "SYSTEM_FIELDS",
     "TARGET_SIDES",
     "PlannedJob",
@@ -42,6 +46,7 @@ __all__ = [
     "WorkloadSpecError",
     "load_routing_rules",
     "plan_job",
+    "preset_router",
     "route",
     "routing_rules",
 ]
@@ -203,9 +208,12 @@ class WorkloadRules:
     rules: tuple[Rule, ...]
     fields: Mapping[str, FieldRule]
     jobs: Mapping[str, tuple[JobTemplate, ...]]
+    # the config field naming a model preset: when given, the placement rule routes it to slurm_cpu or slurm_gpu
+    preset_field: str | None = None
 
     def targets(self) -> set[str]:
-        return {self.default_target, *(rule.target for rule in self.rules)}
+        preset_targets = set(SLURM_TARGETS) if self.preset_field else set()
+        return {self.default_target, *(rule.target for rule in self.rules), *preset_targets}
 
 
 @dataclass(frozen=True)
@@ -314,7 +322,7 @@ def _needs(job: JobTemplate, fields_: Mapping[str, FieldRule]) -> set[str]:
 
 def _workload(name: str, data: Any, where: str) -> WorkloadRules:
     data = check_mapping(data, where)
-    check_keys(data, where, {"description", "default", "rules", "fields", "jobs"})
+    check_keys(data, where, {"description", "default", "rules", "fields", "jobs"}, {"preset_field"})
     side, target = _placement(check_mapping(data["default"], f"{where}.default"), f"{where}.default")
     if not isinstance(data["rules"], list):
         raise ConfigError(f"{where}.rules: expected a list")
@@ -330,8 +338,13 @@ def _workload(name: str, data: Any, where: str) -> WorkloadRules:
             raise ConfigError(f"{where}.jobs.{job_target}: expected a non-empty list of job variants")
         jobs[job_target] = tuple(_job(job_target, v, f"{where}.jobs.{job_target}[{i}]", fields_)
                                  for i, v in enumerate(variants))
+    preset_field = data.get("preset_field")
+    if preset_field is not None and (preset_field not in fields_ or fields_[preset_field].type != "string"):
+        raise ConfigError(f"{where}.preset_field: {preset_field!r}; name a string field of the workload "
+                          f"({', '.join(n for n, f in fields_.items() if f.type == 'string') or 'none'})")
     workload = WorkloadRules(name=name, description=check_text(data["description"], f"{where}.description"),
-                             default_side=side, default_target=target, rules=rules, fields=fields_, jobs=jobs)
+                             default_side=side, default_target=target, rules=rules, fields=fields_, jobs=jobs,
+                             preset_field=preset_field)
     for reachable in sorted(workload.targets() - {"triton"}):
         variants = jobs.get(reachable, ())
         if not any(not _needs(v, fields_) for v in variants):
@@ -430,12 +443,45 @@ def _validated_config(workload: WorkloadRules, config: Any) -> dict[str, str]:
     return {key: workload.fields[key].check(value, f"config.{key}") for key, value in config.items()}
 
 
-def route(spec: WorkloadSpec, rules: RoutingRules) -> RouteDecision:
-    """The side and target for ``spec``: the first rule its profile meets, else the workload's default.
+@dataclass(frozen=True)
+class PresetRoute:
+    """The placement rule's answer for a model preset: its side, why, and config values the preset implies
+    (e.g. its hidden sizes), used where the user gave none."""
+
+    side: str
+    reason: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+def preset_router(config: PipelineConfig) -> Callable[[str], PresetRoute]:
+    """The placement rule of nightly_training (the same figures, prices and ``cpus_per_task``) as a router for
+    a preset named in a workload's config; an unknown preset is refused naming the valid ones."""
+    from hybridflow.config import model_preset_hidden_sizes
+    from hybridflow.pipeline.placement import training_placement
+
+    presets = model_preset_hidden_sizes()
+
+    def decide(preset: str) -> PresetRoute:
+        if preset not in presets:
+            raise WorkloadSpecError(f"{shown(preset)} is not a model preset; valid presets: "
+                                    f"{', '.join(presets)} (include/config/model_presets.json)")
+        placed = training_placement(preset, "auto", 1, placement=config.placement, costs=config.costs,
+                                    cpus_per_task=config.nightly.cpus_per_task,
+                                    gpu_partition=config.cluster.partition)
+        return PresetRoute(placed.side, placed.reason, {"hidden_sizes": ",".join(map(str, presets[preset]))})
+
+    return decide
+
+
+def route(spec: WorkloadSpec, rules: RoutingRules,
+          preset_route: Callable[[str], PresetRoute] | None = None) -> RouteDecision:
+    """The side and target for ``spec``: the first rule its profile meets; else, for a workload whose config
+    names a model preset (its ``preset_field``), the placement rule (``preset_route``, see
+    :func:`preset_router`: slurm_cpu or slurm_gpu); else the workload's default.
 
     :raises WorkloadSpecError: an unknown workload type (the message lists the valid ones), a config field the
-        type does not accept or a value that fails its check, or a profile figure that is unknown or not a
-        number.
+        type does not accept or a value that fails its check, a profile figure that is unknown or not a
+        number, or a preset the placement rule does not know.
     """
     kind = spec.workload_type
     if not isinstance(kind, str) or kind not in rules.workloads:
@@ -450,6 +496,19 @@ def route(spec: WorkloadSpec, rules: RoutingRules) -> RouteDecision:
             return RouteDecision(kind, rule.side, rule.target, rule.name,
                                  f"{kind} -> {rule.side} ({rule.target}): measured {measured}: {rule.why}",
                                  config, profile)
+    preset = config.get(workload.preset_field) if workload.preset_field else None
+    if preset is not None and preset_route is not None:
+        try:
+            placed = preset_route(preset)
+        except WorkloadSpecError as exc:
+            raise WorkloadSpecError(f"config.{workload.preset_field}: {exc}") from None
+        target = "slurm_gpu" if placed.side == "gpu" else "slurm_cpu"
+        implied = {name: workload.fields[name].check(value, f"config.{name} (from preset {preset})")
+                   for name, value in placed.config.items() if name in workload.fields and name not in config}
+        why = "no measured profile given" if not profile else "the measured profile meets none of its rules"
+        return RouteDecision(kind, placed.side, target, "preset-placement",
+                             f"{kind} -> {placed.side} ({target}): {why}; the placement rule of nightly_training "
+                             f"for preset {preset}: {placed.reason}", {**config, **implied}, profile)
     why = "no measured profile given" if not profile else "the measured profile meets none of its rules"
     return RouteDecision(kind, workload.default_side, workload.default_target, "default",
                          f"{kind} -> {workload.default_side} ({workload.default_target}): {why}; the type's "

@@ -138,7 +138,10 @@ class SlurmJobTrigger(BaseTrigger):
             delay = min(delay * 2, self.poll_interval_s)
 
     async def _log_progress(self, hook: SlurmAsyncHook) -> None:
-        result = await hook.run(["cat", "--", self.progress_path])
+        try:
+            result = await hook.run(["cat", "--", self.progress_path])
+        except SlurmConnectionLost:
+            return  # best effort: the next status poll reconnects within the budget, or fails clearly
         if result.returncode != 0:
             return
         try:

@@ -60,6 +60,9 @@ def capacity_verdict(partition: str, nodes: Sequence[SinfoNode], pending: Sequen
         return CapacityVerdict(False, impossible, free, total, impossible=True)
     if len(fitting) >= nodes_needed:
         names = ", ".join(n.name for n in fitting[:nodes_needed])
+        if gpus_per_node == 0:  # a CPU job: nodes up is what the gate can see; Slurm queues it for cores
+            return CapacityVerdict(True, f"{partition}: {len(fitting)} node(s) up, no GPU asked; fits on {names}",
+                                   free, total)
         return CapacityVerdict(True, f"{partition}: {free}/{total} GPUs free; fits on {names}", free, total)
     states = ", ".join(f"{n.name} {n.state}{''.join(sorted(n.flags))} {n.gpus_free}/{n.gpus_total} free"
                        for n in nodes)

@@ -140,7 +140,8 @@ def test_generation_operator_refuses_a_bad_generation_before_anything_runs():
     ({"retrain": 0}, "/ds=2026-01-02/scheduled__2026-01-02T00_00_00_00_00"),
     ({"retrain": 2}, "/ds=2026-01-02/scheduled__2026-01-02T00_00_00_00_00.retrain-2"),
 ], ids=["param-absent-old-run", "gen0", "gen2"])
-def test_generation_nightly_prepare_training_run_dir(tmp_path, monkeypatch, params, run_dir_end):
+def test_generation_nightly_prepare_training_run_dir(tmp_path, monkeypatch, params, run_dir_end,
+                                                    empty_model_registry):
     from hybridflow.config import load_pipeline_config
     from hybridflow.pipeline.nightly_tasks import prepare_training
 

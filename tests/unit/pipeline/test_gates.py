@@ -95,3 +95,13 @@ def test_gpu_hours_are_not_measured_when_the_allocation_or_elapsed_time_is_unkno
     report = utilization_report(gpus, elapsed, {"mean_utilization_pct": 90.0})
     assert report.gpu_hours is None
     assert fragment in report.message and "0.000" not in report.message
+
+
+@pytest.mark.parametrize("gpus, summary", [
+    (None, None), (0, None),
+    (None, {"gpu_available": True, "mean_utilization_pct": 3.0}),  # a node's GPUs the job may see: not its own
+])
+def test_utilization_of_a_cpu_placement_is_not_judged(gpus, summary):
+    report = utilization_report(gpus, 600, summary, side="cpu")
+    assert (report.verdict, report.gpu_hours, report.mean_utilization_pct) == ("no_gpu", 0.0, None)
+    assert report.message.startswith("no GPU allocated (cpu placement)")

@@ -6,6 +6,7 @@ import pytest
 from hybridflow.pipeline.champion import FIRST_MODEL, KEEP_CHAMPION, PROMOTE, decide
 from hybridflow.pipeline.nightly import (
     features_figures,
+    placement_figures,
     plan_run,
     should_deploy,
     training_figures,
@@ -119,3 +120,40 @@ def test_figures_say_none_rather_than_inventing_values():
     assert features_figures(manifest, 2) == {"raw_rows": 100, "feature_rows": 90, "quarantined_rows": 10,
                                              "quarantine_ratio": 0.1, "customers": 90, "wall_s": 4.5,
                                              "executor_cores": 2}
+
+
+def test_plan_run_carries_the_placement_it_was_given():
+    placement = {"side": "cpu", "partition": "cpu", "gpus_per_node": 0, "reason": "small: ... -> cpu partition"}
+    plan = plan_run("manual", {}, "2026-03-04", placement=placement)
+    assert plan.placement == placement and plan.as_dict()["placement"] == placement
+    assert plan_run("manual", {}, "2026-03-04").placement is None
+
+
+@pytest.mark.parametrize("result, side, gpus, cpus, cpu_hours", [
+    ({"placement_side": "cpu", "partition": "cpu", "elapsed_s": 1800.0, "alloc_tres": {"cpu": "4", "node": "1"}},
+     "cpu", 0, 4, 2.0),
+    ({"placement_side": "gpu", "elapsed_s": 3600.0, "alloc_tres": {"cpu": "2", "gres/gpu": "1"}}, "gpu", 1, 2, 2.0),
+    ({"elapsed_s": 60.0, "alloc_tres": {"gres/gpu": "2"}}, "gpu", 2, None, None),  # before placement: the GPU side
+    ({"placement_side": "gpu", "elapsed_s": None, "alloc_tres": {}}, "gpu", None, None, None),
+], ids=["cpu-placement", "gpu-placement", "older-result", "nothing-allocated-known"])
+def test_training_figures_by_placement(result, side, gpus, cpus, cpu_hours):
+    figures = training_figures({"job_id": "9", **result}, None)
+    assert (figures["placement_side"], figures["gpus"], figures["cpus"]) == (side, gpus, cpus)
+    assert figures["cpu_hours"] == (pytest.approx(cpu_hours) if cpu_hours is not None else None)
+
+
+def test_placement_figures_for_the_report():
+    training = {"device": "auto", "side": "cpu", "partition": "cpu", "gpus_per_node": 0, "ranks_per_node": 1,
+                "rule": "cheaper", "reason": "small: ... -> cpu partition", "gpu_speedup": 0.5, "min_gpu_speedup": 10,
+                "cpu": {"side": "cpu", "rows_per_s": 80000.0, "usd_per_hour": 0.1, "usd_per_1k_rows": 3.5e-7,
+                        "measured": "2-core machine"},
+                "gpu": {"side": "gpu", "rows_per_s": 40000.0, "usd_per_hour": 4.1, "usd_per_1k_rows": 2.8e-5,
+                        "measured": "one H200"}}
+    evaluation = {"side": "cpu", "partition": "cpu", "gpus_per_node": 0, "reason": "evaluation: -> cpu partition",
+                  "cpu_s": 0.1, "max_cpu_s": 30.0, "parameter_rows": 5e9}
+    figures = placement_figures(training, evaluation)
+    assert (figures["side"], figures["partition"], figures["gpus_per_node"]) == ("cpu", "cpu", 0)
+    assert figures["cpu"] == {"rows_per_s": 80000.0, "usd_per_1k_rows": 3.5e-7, "measured": "2-core machine"}
+    assert figures["evaluation"]["partition"] == "cpu" and "parameter_rows" not in figures["evaluation"]
+    assert placement_figures(None, evaluation) is None
+    assert placement_figures(training, None)["evaluation"] is None

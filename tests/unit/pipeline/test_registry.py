@@ -1,55 +1,36 @@
-"""The model of record on the shared storage: numbered versions, atomic promotion, idempotent retries."""
+"""The registry's pure parts: what a model version's tags say, and what a new version's tags carry. The registry
+itself runs against the real MLflow server (tests/integration/test_model_registry.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from hybridflow.pipeline.registry import ModelRegistry, RegistryError
+from hybridflow.pipeline.registry import TAG_MODEL_DIR, TAG_PREVIOUS_CHAMPION, TAG_SHA256, version_record, version_tags
 
 
-def export(tmp_path, name: str, payload: bytes):
-    directory = tmp_path / name / "export"
-    directory.mkdir(parents=True)
-    (directory / "model.pt").write_bytes(payload)
-    (directory / "signature.json").write_text("{}")
-    (directory / "smoke.json").write_text("{}")
-    return directory
+def model_version(**tags) -> dict:
+    return {"version": "3", "run_id": "ab" * 16, "source": "runs:/x/model", "aliases": ["champion"],
+            "tags": [{"key": k, "value": v} for k, v in tags.items()]}
 
 
-def test_registry_promotes_numbered_versions_and_names_the_champion(tmp_path):
-    registry = ModelRegistry(str(tmp_path / "storage"), "propensity")
-    assert registry.champion() is None
-    first = registry.promote(str(export(tmp_path, "run1", b"one")), {"run_id": "r1", "auc": 0.8})
-    second = registry.promote(str(export(tmp_path, "run2", b"two")), {"run_id": "r2", "auc": 0.82})
-    assert (first["version"], second["version"]) == (1, 2)
-    assert registry.champion()["version"] == 2
-    assert (registry.version_dir(1) / "model.pt").read_bytes() == b"one"
-    assert json.loads((registry.version_dir(2) / "promotion.json").read_text())["run_id"] == "r2"
-    assert [r["version"] for r in registry.read()["history"]] == [1, 2]
-    assert not list((tmp_path / "storage/models/propensity").glob(".v*"))  # no staging left behind
+@pytest.mark.parametrize(("tags", "expected"), [
+    ({TAG_MODEL_DIR: "/s/models/p/v3-abc", TAG_SHA256: "abc", "hybridflow.holdout_auc": "0.81",
+      TAG_PREVIOUS_CHAMPION: "2"},
+     {"export_dir": "/s/models/p/v3-abc", "model_path": "/s/models/p/v3-abc/model.pt", "sha256": "abc", "auc": 0.81,
+      "previous_champion": 2}),
+    ({}, {"export_dir": None, "model_path": None, "sha256": None, "auc": None, "previous_champion": None}),
+    ({"hybridflow.holdout_auc": "None", TAG_PREVIOUS_CHAMPION: ""}, {"auc": None, "previous_champion": None}),
+    ({"hybridflow.holdout_auc": "nan?", TAG_PREVIOUS_CHAMPION: "v2"}, {"auc": None, "previous_champion": None}),
+], ids=["complete", "no tags", "empty values", "unreadable values"])
+def test_a_version_record_reads_its_tags_and_never_guesses(tags, expected):
+    record = version_record(model_version(**tags))
+    assert record["version"] == 3 and record["aliases"] == ["champion"] and record["run_id"] == "ab" * 16
+    assert {key: record[key] for key in expected} == expected
 
 
-def test_registry_retry_of_the_same_promotion_returns_the_same_version(tmp_path):
-    registry = ModelRegistry(str(tmp_path), "m")
-    source = str(export(tmp_path, "run", b"weights"))
-    assert registry.promote(source, {"run_id": "r"})["version"] == 1
-    assert registry.promote(source, {"run_id": "r"})["version"] == 1
-    assert len(registry.read()["history"]) == 1
-
-
-def test_registry_refuses_an_unfinished_export_and_changes_nothing(tmp_path):
-    registry = ModelRegistry(str(tmp_path), "m")
-    source = export(tmp_path, "run", b"w")
-    (source / "smoke.json").unlink()
-    with pytest.raises(RegistryError, match="lacks smoke.json"):
-        registry.promote(str(source), {"run_id": "r"})
-    assert registry.champion() is None and not registry.version_dir(1).exists()
-
-
-def test_registry_corrupt_file_is_a_clear_error(tmp_path):
-    registry = ModelRegistry(str(tmp_path), "m")
-    registry.root.mkdir(parents=True)
-    registry.registry_path.write_text("{not json")
-    with pytest.raises(RegistryError, match="registry.json cannot be read"):
-        registry.champion()
+def test_version_tags_keep_what_is_known_verbatim():
+    hostile = "x' OR tags.a='1\n<script>"
+    tags = version_tags({"airflow_run_id": hostile, "auc": 0.8123, "log_loss": None, "ds": "2026-01-01",
+                         "decision": "promote", "reason": "gain 0.01", "ignored": "x"})
+    assert tags == {"hybridflow.airflow_run_id": hostile, "hybridflow.holdout_auc": "0.8123",
+                    "hybridflow.ds": "2026-01-01", "hybridflow.decision": "promote",
+                    "hybridflow.decision_reason": "gain 0.01"}

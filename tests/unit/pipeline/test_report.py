@@ -16,6 +16,7 @@ from hybridflow.pipeline.report import (
     CostConfig,
     build_report,
     chart_plan,
+    is_measured,
     render_charts,
     render_html,
     write_report,
@@ -33,7 +34,16 @@ FIGURES = {
                  "quarantine_ratio": 0.002, "customers": 50_000, "wall_s": 1800.0, "executor_cores": 4},
     "quality": {"passed": True, "checks": [
         {"name": "row_count.min", "column": None, "observed": 50_000, "expected": ">= 100", "passed": True}]},
+    "placement": {"device": "auto", "side": "gpu", "partition": "gpu-training", "gpus_per_node": 4,
+                  "ranks_per_node": 4, "rule": "gpu-speedup", "reason": "large: GPU 50x faster -> gpu-training",
+                  "cpu": {"rows_per_s": 9800.0, "usd_per_1k_rows": 2.8e-6, "measured": "2-core machine, 2026-12"},
+                  "gpu": {"rows_per_s": 490000.0, "usd_per_1k_rows": 1.4e-6, "measured": "one H200, 2026-12"},
+                  "gpu_speedup": 50.0, "min_gpu_speedup": 10.0,
+                  "evaluation": {"side": "cpu", "partition": "cpu", "gpus_per_node": 0, "cpu_s": 0.1,
+                                 "max_cpu_s": 30.0, "reason": "evaluation: ~0.1 s on CPU -> cpu partition"}},
     "training": {"job_id": "4711", "state": "COMPLETED", "elapsed_s": 3600.0, "gpus": 8, "gpu_hours": 8.0,
+                 "placement_side": "gpu", "partition": "gpu-training", "cpus": 16, "cpu_hours": 16.0,
+                 "utilization_verdict": "8.000 GPU-hours at 84% mean utilization",
                  "mean_gpu_utilization_pct": 83.5, "restarts": 1, "train_rows_processed": 4_000_000,
                  "auc": 0.81, "log_loss": 0.41, "step": 1000, "ranks": 8, "nodes": 2, "zero_stage": 2,
                  "rank_placement": "0@gpu-node-01, 1@gpu-node-01, 2@gpu-node-02", "allreduce_share_in_job": 0.12,
@@ -43,6 +53,10 @@ FIGURES = {
     "evaluation": {"challenger": {"auc": 0.81, "log_loss": 0.41},
                    "champion": {"auc": 0.79, "log_loss": 0.43, "version": "6"},
                    "decision": "promote", "margin": 0.005, "reason": "challenger AUC 0.81 > 0.79 + 0.005"},
+    "record": {"run_id": "ab" * 16, "run_url": f"http://127.0.0.1:5000/#/experiments/9/runs/{'ab' * 16}",
+               "experiment": "nightly_training", "model_version": 7, "model_uri": "models:/propensity/7",
+               "promoted": True, "history": [{"ds": f"2026-01-0{day}", "auc": 0.8 + day / 100, "rows": 1e6,
+                                               "train_s": 60.0 + day} for day in range(1, 6)]},
     "scoring": {"rows": 2_000_000, "wall_s": 360.0, "rows_per_s": 5555.6, "model_version": "7",
                 "executor_cores": 10},
     "deploy": {"model": "propensity", "version": "7", "previous_version": "6", "promoted": True,
@@ -120,6 +134,16 @@ def test_report_with_every_figure_measured_lists_nothing_as_not_measured():
         ({"evaluation__champion": None}, "evaluation.champion_auc", "no champion (first model)"),
         ({"evaluation__champion": ...}, "evaluation.champion_auc", "evaluation.champion.auc missing"),
         ({"quality": None}, "quality", "the quality stage did not run"),
+        ({"placement": None}, "placement", "the placement stage did not run"),
+        ({"placement__cpu__rows_per_s": None}, "placement.cpu_rows_per_s",
+         "no CPU figure for the preset in pipeline.yaml placement.training"),
+        ({"placement__gpu_speedup": None}, "placement.gpu_speedup", "a side's throughput is not measured"),
+        ({"placement__evaluation": None}, "placement.evaluation_partition",
+         "the evaluation was not planned (no prepare result)"),
+        ({"placement__evaluation__cpu_s": None}, "placement.evaluation_cpu_s",
+         "the CPU scoring rate or the holdout size is not measured"),
+        ({"training__placement_side": "cpu", "training__cpu_hours": None}, "costs.training_run_usd",
+         "training.cpu_hours missing"),
     ],
 )
 def test_report_missing_inputs_are_not_measured_with_the_reason(changes, figure, why):
@@ -130,6 +154,17 @@ def test_report_missing_inputs_are_not_measured_with_the_reason(changes, figure,
     section, _, name = figure.partition(".")
     if section == "costs":
         assert report["costs"][name]["value"] is None and report["costs"][name]["why"] == reasons[figure]
+
+
+def test_report_prices_a_cpu_placement_by_its_cpu_hours():
+    """A run placed on the CPU partition held no GPU: its training cost is CPU-hours x the CPU price."""
+    report = build_report(figures_with(training__placement_side="cpu", training__gpus=0, training__gpu_hours=0.0,
+                                       training__cpu_hours=4.0), PRICES)
+    cost = report["costs"]["training_run_usd"]
+    assert cost["value"] == pytest.approx(0.2) and "4 CPU-h x 0.05 USD/CPU-h (cpu placement, no GPU)" in cost["basis"]
+    assert report["costs"]["per_million_training_rows_usd"]["value"] == pytest.approx(0.05)
+    html = render_html(report, [])
+    assert "Placement (CPU or GPU, from measured figures)" in html and "large: GPU 50x faster" in html
 
 
 def test_report_skipped_stages_give_no_zero_costs():
@@ -207,7 +242,7 @@ def assert_png(path) -> None:
 def test_report_charts_are_valid_pngs(tmp_path):
     files = render_charts(build_report(FIGURES, PRICES), tmp_path)
     assert sorted(path.name for path in files) == ["deploy_latency.png", "holdout_metrics.png",
-                                                    "loss_curve.png"]
+                                                    "loss_curve.png", "nightly_history.png"]
     for path in files:
         assert_png(path)
 
@@ -238,9 +273,9 @@ def test_report_write_publishes_json_html_and_charts(tmp_path):
     assert target == tmp_path / "reports" / "nightly_training" / "ds=2026-01-05" / run
     paths = write_report(target, FIGURES, PRICES)
     assert sorted(os.listdir(target)) == ["deploy_latency.png", "holdout_metrics.png", "loss_curve.png",
-                                          "report.html", "report.json"]
+                                          "nightly_history.png", "report.html", "report.json"]
     assert json.loads((target / "report.json").read_text())["run_id"] == FIGURES["run_id"]
-    assert paths["html"] == str(target / "report.html") and len(paths["charts"]) == 3
+    assert paths["html"] == str(target / "report.html") and len(paths["charts"]) == 4
     for chart in paths["charts"]:
         assert_png(target / os.path.basename(chart))
 
@@ -251,10 +286,55 @@ def test_report_rewrite_replaces_the_earlier_report_atomically(tmp_path):
     (target / "stale-extra-file.txt").write_text("from an earlier writer")
     rerun = figures_with(deploy=None, training__state="FAILED")
     paths = write_report(target, rerun, PRICES)
-    assert sorted(os.listdir(target)) == ["holdout_metrics.png", "loss_curve.png", "report.html",
-                                          "report.json"]
+    assert sorted(os.listdir(target)) == ["holdout_metrics.png", "loss_curve.png", "nightly_history.png",
+                                          "report.html", "report.json"]
     report = json.loads((target / "report.json").read_text())
     assert report["sections"]["training"]["figures"]["state"]["value"] == "FAILED"
     assert not report["sections"]["deploy"]["ran"]
     assert paths["not_measured"] == report["not_measured"]
     assert sorted(os.listdir(target.parent)) == ["run1"], "no staging or retired directory is left behind"
+
+
+@pytest.mark.parametrize("url", [
+    "javascript:alert(1)", 'http://h/"onmouseover="x', "http://h/<script>", "http://user:pw@h/x", "ftp://h/x",
+    "http://h/ x", "//h/x", 42, None,
+], ids=ascii)
+def test_report_links_only_plain_http_addresses(url):
+    figures = {**FIGURES, "record": {**FIGURES["record"], "run_url": url}}
+    report = build_report(figures, PRICES)
+    assert not is_measured(report["sections"]["record"]["figures"]["run_url"])
+    page = render_html(report, [])
+    assert "<a href" not in page and "<script>" not in page and "javascript:" not in page
+
+
+def test_report_links_the_mlflow_run():
+    page = render_html(build_report(FIGURES, PRICES), [])
+    url = FIGURES["record"]["run_url"]
+    assert f'<a href="{url}">{url}</a>' in page and "models:/propensity/7" in page
+
+
+@pytest.mark.parametrize(("history", "why"), [
+    (None, "MLflow's run history was not read"),
+    ([], "fewer than 2 finished nights"),
+    ([{"ds": "2026-01-01", "auc": 0.8}], "fewer than 2 finished nights"),
+    ([{"ds": "not a day", "auc": 0.8}, {"ds": "2026-01-01<script>", "auc": 0.8}], "fewer than 2 finished nights"),
+    ("2026-01-01", "the run history is not a list"),
+], ids=["not-read", "empty", "one-night", "bad-days", "not-a-list"])
+def test_the_30_nights_chart_says_why_it_is_not_drawn(tmp_path, history, why):
+    figures = {**FIGURES, "record": {**FIGURES["record"], "history": history}}
+    report = build_report(figures, PRICES)
+    assert why in chart_plan(report)["nightly_history"]
+    assert "nightly_history.png" not in {path.name for path in render_charts(report, tmp_path)}
+
+
+def test_the_30_nights_chart_is_drawn_with_gaps_for_missing_figures(tmp_path):
+    nights = [{"ds": "2026-01-01", "auc": 0.8, "rows": 1e6, "train_s": 60.0},
+              {"ds": "2026-01-02", "auc": None, "rows": float("nan"), "train_s": 61.0}, {"ds": 3}]
+    report = build_report({**FIGURES, "record": {**FIGURES["record"], "history": nights}}, PRICES)
+    history = report["sections"]["record"]["history"]
+    assert history["dropped"] == 1 and history["nights"][1] == {"ds": "2026-01-02", "auc": None, "rows": None,
+                                                                "train_s": 61.0}
+    drawn = render_charts(report, tmp_path)
+    chart = tmp_path / "nightly_history.png"
+    assert chart in drawn and chart.read_bytes().startswith(PNG_SIGNATURE)
+    assert '<img src="nightly_history.png"' in render_html(report, [path.name for path in drawn])

@@ -16,6 +16,7 @@ from hybridflow.pipeline.routing import (
     load_routing_rules,
     parse_routing_rules,
     plan_job,
+    preset_router,
     route,
 )
 
@@ -255,7 +256,7 @@ def test_routing_hostile_config_values_stay_one_inert_argv_element(hostile):
          "routing.workloads.batch_inference.rules[0].why: missing (required)"),
         (lambda d: d["workloads"]["model_training"]["jobs"]["slurm_gpu"][0]["command"].append("{script}"),
          "jobs.slurm_gpu[0]: unknown placeholder(s) {script}; "
-         "use a field of the workload (hidden_sizes, batch)"),
+         "use a field of the workload (hidden_sizes, batch, preset)"),
         (lambda d: d["workloads"]["model_training"]["jobs"]["slurm_gpu"][0].update(command="python train.py"),
          "jobs.slurm_gpu[0].command: expected a list of strings (an argv"),
         (lambda d: d["workloads"]["model_training"]["fields"].update(
@@ -288,6 +289,13 @@ def test_routing_hostile_config_values_stay_one_inert_argv_element(hostile):
         (lambda d: d["workloads"].update({"Bad Type": d["workloads"]["model_training"]}),
          "routing.workloads: type name 'Bad Type' must match"),
         (lambda d: d.update(extra=1), "routing: unknown key(s) extra"),
+        (lambda d: d["workloads"]["model_training"].update(preset_field="model"),
+         "routing.workloads.model_training.preset_field: 'model'; name a string field of the workload "
+         "(hidden_sizes, preset)"),
+        (lambda d: d["workloads"]["model_training"].update(preset_field="batch"),
+         "model_training.preset_field: 'batch'; name a string field"),
+        (lambda d: d["workloads"]["feature_engineering"].update(preset_field="ds"),
+         "feature_engineering.preset_field: 'ds'; name a string field of the workload (none)"),
     ],
 )
 def test_routing_rules_errors_name_the_file_and_the_key(mutate, fragment):
@@ -311,3 +319,51 @@ def test_routing_realtime_budget_matches_the_serving_slo():
     realtime = RULES.workloads["realtime_inference"]
     thresholds = {c.threshold for rule in realtime.rules for c in rule.conditions if c.metric == "cpu_p99_ms"}
     assert thresholds == {slo}
+
+
+# A workload naming a preset routes by nightly_training's placement rule (pipeline.yaml placement).
+PRESETS = preset_router(load_pipeline_config())
+
+
+@pytest.mark.parametrize("config, profile, side, target, rule, hidden", [
+    ({"preset": "small"}, {}, "cpu", "slurm_cpu", "preset-placement", "128,64"),
+    ({"preset": "large"}, {}, "gpu", "slurm_gpu", "preset-placement", "4096,4096,2048,1024"),
+    ({"preset": "tiny"}, {}, "gpu", "slurm_gpu", "preset-placement", "16"),  # GPU figure not measured: default
+    ({"preset": "small", "hidden_sizes": "32"}, {}, "cpu", "slurm_cpu", "preset-placement", "32"),  # given wins
+    # a measured profile that meets a rule decides first, as before
+    ({"preset": "large"}, {"arithmetic_intensity_flops_per_byte": 4, "gpu_speedup": 1.5}, "cpu", "slurm_cpu",
+     "too-small-for-a-gpu", None),
+    ({"preset": "small"}, {"gpu_speedup": 50}, "cpu", "slurm_cpu", "preset-placement", "128,64"),
+    ({}, {}, "gpu", "slurm_gpu", "default", None),  # no preset: as before
+], ids=["small-cpu", "large-gpu", "tiny-not-measured", "hidden-sizes-given", "profile-first",
+        "profile-meets-no-rule", "no-preset"])
+def test_routing_model_training_by_preset_placement(config, profile, side, target, rule, hidden):
+    decision = route(WorkloadSpec("model_training", config, profile), RULES, PRESETS)
+    assert (decision.side, decision.target, decision.rule) == (side, target, rule), decision.reason
+    assert decision.config.get("hidden_sizes") == hidden
+    if rule == "preset-placement":
+        assert f"placement rule of nightly_training for preset {config['preset']}" in decision.reason
+
+
+def test_routing_preset_small_reason_names_the_figures_and_the_job_trains_that_network():
+    decision = route(WorkloadSpec("model_training", {"preset": "small"}), RULES, PRESETS)
+    assert "CPU 80k rows/s" in decision.reason and "GPU 40k rows/s" in decision.reason
+    assert decision.reason.endswith("-> cpu partition")
+    job = plan_job(decision, RULES, system())
+    assert job.target == "slurm_cpu" and ("--hidden-sizes", "128,64") == job.command[-6:-4]
+
+
+def test_routing_preset_is_ignored_without_the_placement_rule():
+    """route() without a preset router (its callers before placement existed) keeps the type's default."""
+    assert route(WorkloadSpec("model_training", {"preset": "small"}), RULES).rule == "default"
+
+
+@pytest.mark.parametrize("preset, fragment", [
+    ("huge", "config.preset: 'huge' is not a model preset; valid presets: tiny, small, large"),
+    ("Small", "config.preset: 'Small' does not match"),
+    (7, "config.preset: 7 is not a string"),
+])
+def test_routing_unknown_preset_is_refused_naming_the_field(preset, fragment):
+    with pytest.raises(WorkloadSpecError) as err:
+        route(WorkloadSpec("model_training", {"preset": preset}), RULES, PRESETS)
+    assert fragment in str(err.value)

@@ -51,6 +51,66 @@ def test_localstack_profile_has_no_secrets_and_verifies_host_keys():
         assert conn.get("password", "${").startswith("${"), f"{conn_id}: password must come from generated state"
 
 
+def test_localstack_profile_names_the_mlflow_server_by_placeholders():
+    profile = json.loads((REPO / "include/profiles/local.json").read_text())
+    conn = profile["connections"]["mlflow_default"]
+    assert conn["conn_type"] == "http" and conn["host"] == "127.0.0.1" and conn["schema"] == "http"
+    assert conn["port"] == "${mlflow_port}"
+    assert (conn["login"], conn["password"]) == ("${mlflow_login}", "${mlflow_password}")
+    stack = profile["stack"]
+    used = {v for k, v in stack.items() if k.endswith("_port") and k != "mlflow_port"}
+    assert stack["mlflow_port"] not in used | {8010, 6817, 6818, 6819, 16821, 16822}
+
+
+def test_localstack_mlflow_store_has_no_password_in_its_uri(localstack):
+    tracking, auth = localstack.mlflow_store_uris()
+    assert tracking == auth == "postgresql+psycopg2://mlflow@127.0.0.1:5433/mlflow"
+    assert localstack.mlflow_artifacts_destination() == "s3://hybridflow-mlflow"
+
+
+def test_localstack_mlflow_store_is_sqlite_without_postgres(localstack, monkeypatch):
+    monkeypatch.setattr(localstack, "METADATA_DB", "sqlite")
+    tracking, auth = localstack.mlflow_store_uris()
+    assert tracking.startswith("sqlite:////") and tracking.endswith("/mlflow/mlflow.db")
+    assert auth.endswith("/mlflow/auth.db")
+
+
+@pytest.fixture
+def fake_secrets(localstack, monkeypatch):
+    """Generated secrets without touching .state: each named after its file."""
+    monkeypatch.setattr(localstack, "secret", lambda name, where, nbytes=24, make=None: f"generated-{name}-0123")
+    monkeypatch.setattr(localstack.pgstack, "ensure_password", lambda where, nbytes=24, name="": f"pg-{name}-0123")
+
+
+def test_localstack_mlflow_files_hold_the_generated_secrets_the_command_does_not(localstack, fake_secrets):
+    files = {path.name: text for path, text in localstack.mlflow_files().items()}
+    assert sorted(files) == ["auth.ini", "aws-credentials", "pgpass"]
+    assert "admin_password = generated-mlflow-admin-password-0123" in files["auth.ini"]
+    assert files["pgpass"] == "127.0.0.1:5433:mlflow:mlflow:pg-postgres-mlflow-0123\n"
+    assert "aws_secret_access_key = generated-s3-secret-key-0123" in files["aws-credentials"]
+    exposed = " ".join(localstack.mlflow_command()) + " ".join(localstack.mlflow_server_env().values())
+    assert "-0123" not in exposed.replace("generated-mlflow-flask-secret-key-0123", "")
+
+
+def test_localstack_mlflow_restarts_when_what_it_reads_changed(localstack, fake_secrets, monkeypatch):
+    first = localstack.mlflow_config_digest()
+    assert localstack.mlflow_config_digest() == first
+    monkeypatch.setitem(localstack.STACK, "mlflow_workers", 2)
+    assert localstack.mlflow_config_digest() != first
+    monkeypatch.setitem(localstack.STACK, "mlflow_workers", 1)
+    monkeypatch.setattr(localstack.mlflowstack, "auth_ini", lambda uri, password: "[mlflow]\n")
+    assert localstack.mlflow_config_digest() != first
+
+
+def test_localstack_runs_mlflow_as_a_service_after_its_stores(localstack):
+    services = [svc.name for svc in localstack.services()]
+    assert services.index("mlflow") > services.index("s3") and services.index("mlflow") > services.index("postgres")
+    mlflow = localstack.by_name(["mlflow"])[0]
+    assert mlflow.comm == "mlflow" and mlflow.endpoint == "http://127.0.0.1:5000"
+    assert mlflow.logfile.name == "mlflow.log"
+    assert localstack.POSTGRES_MORE_LOGINS == [localstack.pgstack.Login("mlflow", "mlflow", "postgres-mlflow")]
+
+
 def test_localstack_profile_names_two_slurm_nodes():
     stack = json.loads((REPO / "include/profiles/local.json").read_text())["stack"]
     assert stack["slurm_nodes"] == ["gpu-node-01", "gpu-node-02"]

@@ -81,6 +81,13 @@ def test_pg_hba_rules():
     ]
 
 
+def test_pg_hba_admits_each_further_login_to_its_own_database_only():
+    assert hba_rules(pgstack.pg_hba_conf(more=[("mlflow", "mlflow")]))[1:] == [
+        ["host", "airflow", "airflow", "127.0.0.1/32", "scram-sha-256"],
+        ["host", "mlflow", "mlflow", "127.0.0.1/32", "scram-sha-256"],
+    ]
+
+
 @pytest.mark.parametrize("forbidden", ["trust", "password", "md5", "0.0.0.0", "::", "samenet", "all all"])
 def test_pg_hba_allows_nothing_weak_or_remote(forbidden):
     assert forbidden not in " ".join(" ".join(rule) for rule in hba_rules(pgstack.pg_hba_conf()))
@@ -92,6 +99,31 @@ def test_pg_hba_allows_nothing_weak_or_remote(forbidden):
 def test_pg_hba_refuses_odd_names(role, database):
     with pytest.raises(ValueError):
         pgstack.pg_hba_conf(role, database)
+    with pytest.raises(ValueError):
+        pgstack.pg_hba_conf(more=[(role, database)])
+
+
+# ---------------------------------------------------------------------------------------------- libpq password file
+@pytest.mark.parametrize(
+    "password, line",
+    [
+        ("plain-Pw_09", "127.0.0.1:5433:mlflow:mlflow:plain-Pw_09\n"),
+        ("a:b\\c", "127.0.0.1:5433:mlflow:mlflow:a\\:b\\\\c\n"),  # ':' and a backslash escaped, as libpq expects
+    ],
+)
+def test_pgpass_line(password, line):
+    assert pgstack.pgpass_line(password, 5433, "mlflow", "mlflow") == line
+
+
+def test_pgpass_line_refuses_line_breaks():
+    with pytest.raises(ValueError):
+        pgstack.pgpass_line("a\nb", 5433, "mlflow", "mlflow")
+
+
+def test_provisioned_stamp_keeps_airflows_name_and_gives_others_their_own():
+    assert pgstack.provisioned_stamp(pgstack.AIRFLOW_LOGIN) == pgstack.PROVISIONED_STAMP
+    assert pgstack.provisioned_stamp(pgstack.Login("mlflow", "mlflow", "postgres-mlflow")) == (
+        f"{pgstack.PROVISIONED_STAMP}-mlflow")
 
 
 # ---------------------------------------------------------------------------------------------- the URL
@@ -287,6 +319,13 @@ def test_ensure_password_creates_a_0600_file_once(tmp_path, monkeypatch):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
     assert [p.name for p in secrets_dir.iterdir()] == [pgstack.PASSWORD_FILE]  # no temporary file left
+
+
+def test_ensure_password_names_its_file(tmp_path):
+    first = pgstack.ensure_password(tmp_path, name="postgres-mlflow")
+    assert (tmp_path / "postgres-mlflow").read_text().strip() == first
+    assert not (tmp_path / pgstack.PASSWORD_FILE).exists()
+    assert pgstack.ensure_password(tmp_path) != first  # the airflow role's is another
 
 
 def test_ensure_password_keeps_an_existing_password(tmp_path):

@@ -73,6 +73,10 @@ def pending(reason):
         ([node("n1"), node("n2", used=8)], [], 2, 2, False, "need 2 node(s)"),
         ([node("n1"), node("n2")], [], 8, 2, True, "fits on n1, n2"),
         ([], [], 1, 1, False, "has no nodes"),
+        # a CPU job (the CPU placement): nodes up is the gate; GPUs are neither asked for nor counted
+        ([node("n1", total=0), node("n2", total=0)], [], 0, 2, True, "2 node(s) up, no GPU asked; fits on n1, n2"),
+        ([node("n1", used=8)], [], 0, 1, True, "no GPU asked; fits on n1"),
+        ([node("n1", "down", available=False)], [], 0, 1, False, "need 1 node(s) with 0 free GPU(s); have 0"),
     ],
 )
 def test_capacity_verdict(nodes, queue, gpus, nodes_needed, ok, fragment):

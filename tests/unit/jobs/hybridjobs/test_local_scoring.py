@@ -200,10 +200,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("case, exit_code, output", [
-    ("published", 0, r"^SCORING ds=2026-01-05 rows=40 model_version=v1 device=(cpu|cuda) seconds=\S+ rows_per_s="),
+    ("published", 0, r"^SCORING ds=2026-01-05 rows=40 model_version=v1 device=(cpu|cuda) precision=fp32 seconds=\S+ "
+                  r"rows_per_s="),
     ("not_published", 2, r"SCORING FAILED ds=2026-01-05: .*features/ds=2026-01-05 is not published"),
     ("wrong_model", 3, r"SCORING FAILED ds=2026-01-05: model .* cannot score \[B, 4\]"),
-    ("probe", 0, r"^SCORING PROBE rows=2000 model_version=v1 device=(cpu|cuda) seconds="),
+    ("probe", 0, r"^SCORING PROBE rows=2000 model_version=v1 device=(cpu|cuda) precision=fp32 seconds="),
     ("no_ds", 2, "--root and --ds are required"),
     ("bad_ds", 2, "YYYY-MM-DD"),
     pytest.param("cuda", 2, "device cuda asked for", marks=NO_GPU),
@@ -223,3 +224,135 @@ def test_cli_exit_codes(tmp_path, case, exit_code, output):
     assert done.returncode == exit_code, done.stdout + done.stderr
     assert re.search(output, done.stdout + done.stderr, flags=re.M), done.stdout + done.stderr
     assert storage.is_published(storage.partition_dir(tmp_path, "predictions", DS)) == (case == "published")
+
+
+def allow_bf16(model_path: Path, scoring: str = "bf16") -> None:
+    """Record an export's bf16 check in the model's signature.json, as jobs/train.py's export does."""
+    signature_path = model_path.with_name("signature.json")
+    signature = json.loads(signature_path.read_text())
+    signature["precision"] = {"scoring": scoring, "check": {"max_abs_diff": 0.002, "auc_diff": 0.0001,
+                                                            "reason": "recorded by the test"}}
+    signature_path.write_text(json.dumps(signature))
+
+
+@pytest.mark.parametrize("requested, device, record, expected", [
+    ("auto", "cuda", {"scoring": "bf16"}, "bf16"),
+    ("auto", "cpu", {"scoring": "bf16"}, "fp32"),  # CPUs without bf16 units gain nothing from it
+    ("auto", "cuda", {"scoring": "fp32"}, "fp32"),
+    ("auto", "cuda", None, "fp32"),  # exported before the check existed
+    ("fp32", "cuda", {"scoring": "bf16"}, "fp32"),
+    ("bf16", "cpu", {"scoring": "bf16"}, "bf16"),
+    ("bf16", "cuda", {"scoring": "bf16"}, "bf16"),
+])
+def test_precision_follows_the_export_check(requested, device, record, expected):
+    assert local_scoring.resolve_precision(requested, device, record) == expected
+
+
+@pytest.mark.parametrize("requested, record, error, message", [
+    ("bf16", {"scoring": "fp32", "check": {"reason": "max |p_bf16 - p_fp32| 3.1e-02 (limit 0.01)"}},
+     predictions.ModelContractError, r"did not allow it \(max \|p_bf16 - p_fp32\| 3.1e-02"),
+    ("bf16", None, predictions.ModelContractError, "exported without a bf16 check"),
+    ("fp16", {"scoring": "bf16"}, ValueError, "precision must be one of auto, fp32, bf16"),
+    ("", None, ValueError, "precision must be one of"),
+])
+def test_precision_refusals_name_the_reason(requested, record, error, message):
+    with pytest.raises(error, match=message):
+        local_scoring.resolve_precision(requested, "cuda", record)
+
+
+def test_bf16_scores_stay_within_the_export_limit_and_are_recorded(tmp_path):
+    """The bf16 path on CPU autocast (CI has no GPU): same rows, scores within 0.01 of float32, manifest says so."""
+    model = save_model(tmp_path / "model.pt")
+    allow_bf16(tmp_path / "model.pt")
+    columns = publish_features(tmp_path, 3000, files=2)
+    manifest = local_scoring.run(str(tmp_path), DS, str(tmp_path / "model.pt"), "v1", batch_size=512, device="cpu",
+                                 precision="bf16")
+    table, _ = read_predictions(tmp_path)
+    scores = dict(zip(table.column("customer_id").to_pylist(), table.column("score").to_numpy(), strict=True))
+    expected = dict(zip(columns["customer_id"], expected_scores(model, columns), strict=True))
+    assert scores.keys() == expected.keys()
+    difference = max(abs(scores[key] - expected[key]) for key in expected)
+    assert 0 < difference <= 0.01, "bf16 autocast ran (scores differ) and stayed within the export's limit"
+    assert manifest["job"]["precision"] == "bf16"
+    assert manifest["job"]["precision_check"]["max_abs_diff"] == 0.002
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"row_count": None}, r"row_count is None, expected a count"),
+    ({"row_count": "40"}, r"row_count is '40'"),
+    ({"row_count": -1}, r"row_count is -1"),
+    ({"row_count": True}, r"row_count is True"),
+    ({"feature_columns": None}, r"feature_columns is None, expected a non-empty list"),
+    ({"feature_columns": []}, r"feature_columns is \[\]"),
+    ({"feature_columns": ["visits_7d", 3]}, r"feature_columns is \['visits_7d', 3\]"),
+    ({"feature_columns": ""}, r"feature_columns is ''"),
+])
+def test_a_features_manifest_without_its_fields_is_refused_with_a_fix(tmp_path, change, message):
+    save_model(tmp_path / "model.pt")
+    publish_features(tmp_path, 40)
+    path = storage.partition_dir(tmp_path, "features", DS) / storage.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    for key, value in change.items():
+        if value is None:
+            manifest.pop(key)
+        else:
+            manifest[key] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(storage.ManifestError, match=message + ".*republish the partition"):
+        local_scoring.run(str(tmp_path), DS, str(tmp_path / "model.pt"), "v1", device="cpu")
+    assert not (tmp_path / "predictions").exists()
+
+
+@pytest.mark.parametrize("text", ["{", "[1, 2]", ""])
+def test_a_features_manifest_that_is_not_a_json_object_is_refused(tmp_path, text):
+    publish_features(tmp_path, 40)
+    (storage.partition_dir(tmp_path, "features", DS) / storage.MANIFEST_NAME).write_text(text)
+    with pytest.raises(storage.ManifestError, match="republish the partition"):
+        storage.read_features_manifest(storage.partition_dir(tmp_path, "features", DS))
+
+
+@pytest.mark.parametrize("case, exit_code, output", [
+    ("no_row_count", 2, r"SCORING FAILED ds=2026-01-05: .*_MANIFEST.json: row_count is None.*republish"),
+    ("bf16_not_allowed", 3, r"SCORING FAILED ds=2026-01-05: precision bf16 asked for.*without a bf16 check"),
+    ("bf16", 0, r"^SCORING ds=2026-01-05 rows=40 model_version=v1 device=cpu precision=bf16 seconds="),
+])
+def test_cli_manifest_and_precision_exit_codes(tmp_path, case, exit_code, output):
+    save_model(tmp_path / "model.pt")
+    if case == "bf16":
+        allow_bf16(tmp_path / "model.pt")
+    publish_features(tmp_path, 40)
+    if case == "no_row_count":
+        path = storage.partition_dir(tmp_path, "features", DS) / storage.MANIFEST_NAME
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "row_count"}))
+    common = ["--root", str(tmp_path), "--ds", DS, "--model", str(tmp_path / "model.pt"), "--model-version", "v1"]
+    precision = [] if case == "no_row_count" else ["--device", "cpu", "--precision", "bf16"]
+    done = run_cli(*common, *precision)
+    assert done.returncode == exit_code, done.stdout + done.stderr
+    assert re.search(output, done.stdout + done.stderr, flags=re.M), done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_prefetched_keeps_order_and_raises_the_readers_error_in_place():
+    def reader():
+        yield from range(5)
+        raise OSError("disk gone")
+
+    seen = []
+    with pytest.raises(OSError, match="disk gone"):
+        for item in local_scoring.prefetched(reader(), depth=2):
+            seen.append(item)
+    assert seen == [0, 1, 2, 3, 4]
+
+
+def test_prefetched_stops_its_reader_when_the_consumer_stops_early():
+    produced = []
+
+    def reader():
+        for item in range(1000):
+            produced.append(item)
+            yield item
+
+    items = local_scoring.prefetched(reader(), depth=2)
+    assert [next(items) for _ in range(3)] == [0, 1, 2]
+    items.close()
+    assert len(produced) <= 3 + 2 + 2, "the reader ran on past the consumer"

@@ -381,3 +381,55 @@ def test_training_job_docstring_lists_every_run_config_key():
     """jobs/train.py's docstring is the run config's reference: every accepted key appears there."""
     docstring = ast.get_docstring(ast.parse((REPO / "jobs" / "train.py").read_text()))
     assert sorted(key for key in _KNOWN_KEYS if f'"{key}"' not in docstring) == []
+
+
+@pytest.mark.parametrize("settings, cuda, expected_changes, clip", [
+    # stage 0, float32 weights: the loop clips (DeepSpeed's stage-0 clip waits for the GPU), AdamW fused on CUDA
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}, "gradient_clipping": 1.0,
+      "zero_optimization": {"stage": 0}}, True,
+     {"timers": {"throughput": {"enabled": False}}, "fused": True, "gradient_clipping": None}, 1.0),
+    # the same on CPUs: no fused kernel asked for
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}, "gradient_clipping": 1.0,
+      "zero_optimization": {"stage": 0}}, False,
+     {"timers": {"throughput": {"enabled": False}}, "fused": None, "gradient_clipping": None}, 1.0),
+    # ZeRO partitions the gradients: DeepSpeed keeps clipping
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}, "gradient_clipping": 1.0,
+      "zero_optimization": {"stage": 2}}, True,
+     {"timers": {"throughput": {"enabled": False}}, "fused": True, "gradient_clipping": 1.0}, 0.0),
+    # DeepSpeed's bf16 weights: its optimizer clips
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}, "gradient_clipping": 1.0,
+      "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}, True,
+     {"timers": {"throughput": {"enabled": False}}, "fused": True, "gradient_clipping": 1.0}, 0.0),
+    # what the file says wins: its own timer, fused off, DeepSpeed's FusedAdam (no torch_adam)
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "fused": False}},
+      "timers": {"throughput": {"enabled": True, "synchronized": False}}}, True,
+     {"timers": {"throughput": {"enabled": True, "synchronized": False}}, "fused": False,
+      "gradient_clipping": None}, 0.0),
+    ({"optimizer": {"type": "AdamW", "params": {}}}, True,
+     {"timers": {"throughput": {"enabled": False}}, "fused": None, "gradient_clipping": None}, 0.0),
+], ids=["zero0-cuda", "zero0-cpu", "zero2", "deepspeed-bf16", "file-wins", "deepspeed-fusedadam"])
+def test_training_settings_for_device_never_wait_for_the_gpu(settings, cuda, expected_changes, clip):
+    from hybridtrain.config import settings_for_device
+
+    before = json.dumps(settings, sort_keys=True)
+    tuned, loop_clip, notes = settings_for_device(settings, cuda=cuda)
+    assert json.dumps(settings, sort_keys=True) == before, "the file's settings are not modified in place"
+    assert tuned["timers"] == expected_changes["timers"]
+    assert tuned["optimizer"]["params"].get("fused") == expected_changes["fused"]
+    assert tuned.get("gradient_clipping") == expected_changes["gradient_clipping"]
+    assert loop_clip == clip
+    assert len(notes) == sum([
+        "timers" not in settings, expected_changes["fused"] is True, bool(clip)])
+
+
+@pytest.mark.parametrize("value, accepted", [
+    (None, "auto"), ("auto", "auto"), ("fp32", "fp32"), ("bf16", "bf16"),
+    ("fp16", None), ("", None), ("BF16", None), (16, None), (True, None), (["bf16"], None),
+])
+def test_training_precision_field(tmp_path, value, accepted):
+    path = write_config(tmp_path, valid_config(precision=value))
+    if accepted is None:
+        with pytest.raises(ConfigError, match=r"precision: must be one of auto, fp32, bf16, got"):
+            load_run_config(path)
+    else:
+        assert load_run_config(path).precision == accepted

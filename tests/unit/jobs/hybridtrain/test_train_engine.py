@@ -48,13 +48,13 @@ def fake_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("local_rank", "device_count", "world_size", "index", "device_id"),
+    ("local_rank", "device_count", "world_size", "index"),
     [
-        (1, 1, 2, 0, True),
-        (3, 1, 8, 0, True),
-        (1, 4, 4, 1, True),
-        (0, 1, 1, 0, False),
-        (2, 1, 1, 0, False),
+        (1, 1, 2, 0),
+        (3, 1, 8, 0),
+        (1, 4, 4, 1),
+        (0, 1, 1, 0),
+        (2, 1, 1, 0),
     ],
     ids=[
         "slurm-one-gpu-per-task-local-rank-1",
@@ -65,14 +65,15 @@ def fake_cuda(monkeypatch):
     ],
 )
 def test_training_init_engine_binds_nccl_and_deepspeed_to_the_bound_gpu(
-    fake_cuda, local_rank, device_count, world_size, index, device_id
+    fake_cuda, local_rank, device_count, world_size, index
 ):
     calls = fake_cuda(local_rank, device_count, world_size)
     assert calls["set_device"] == index
     assert calls["device"] == torch.device("cuda", index)
     backend, kwargs = calls["init_process_group"]
     assert backend == "nccl" and kwargs["timeout"] == timedelta(seconds=42)
-    assert kwargs.get("device_id") == (torch.device("cuda", index) if device_id else None)
+    # a single rank too: without device_id NCCL guesses the device from the global rank and warns each run
+    assert kwargs.get("device_id") == torch.device("cuda", index)
     assert calls["init_distributed"] == {"dist_backend": "nccl", "timeout": timedelta(seconds=42)}
     assert calls["initialize"]["args"] == SimpleNamespace(device_rank=index), "not DeepSpeed's cuda:LOCAL_RANK"
 

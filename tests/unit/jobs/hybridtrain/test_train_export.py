@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -84,3 +85,51 @@ def test_training_export_replaces_the_previous_export_whole(exported):
     export_dir, _, _, _ = exported
     assert sorted(path.name for path in export_dir.iterdir()) == ["model.pt", "signature.json", "smoke.json"]
     assert [path.name for path in export_dir.parent.iterdir()] == ["export"]
+
+
+def test_training_export_records_its_bf16_check_in_the_signature(exported):
+    export_dir, result, _, _ = exported
+    precision = json.loads((export_dir / "signature.json").read_text())["precision"]
+    assert result["precision"] == precision
+    # the fixture passes no holdout sample: without labels the AUC cannot be compared, so scoring stays fp32
+    assert precision["scoring"] == "fp32"
+    assert precision["check"]["rows"] == SMOKE_ROWS and precision["check"]["labelled_rows"] == 0
+    assert "AUC could not be compared" in precision["check"]["reason"]
+
+
+def _probability_model(weight: float, bias: float) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Sigmoid()).eval()
+    with torch.no_grad():
+        model[0].weight.fill_(weight)
+        model[0].bias.fill_(bias)
+    return model
+
+
+@pytest.mark.parametrize("weight, bias, centre, spread, scoring, reason", [
+    # standardised-like inputs: bf16 rounding moves no probability by 0.01
+    (1.0, 0.0, 0.0, 1.0, "bf16", r"max \|p_bf16 - p_fp32\| \S+ \(limit 0.01\), AUC difference \S+ \(limit 0.001\)"),
+    # raw values near 1000 cancelled by the bias: bf16's spacing there (4) swamps the signal
+    (1.0, -1000.0, 1000.0, 1.0, "fp32", r"max \|p_bf16 - p_fp32\|"),
+])
+def test_training_precision_check_allows_bf16_only_within_the_limits(weight, bias, centre, spread, scoring, reason):
+    from hybridtrain.export import BF16_LIMITS, precision_check
+
+    rng = np.random.default_rng(0)
+    inputs = rng.normal(centre, spread, size=(2000, 1)).astype(np.float32)
+    labels = (inputs[:, 0] - centre + rng.normal(0, 0.5, 2000) > 0).astype(np.float32)
+    result = precision_check(_probability_model(weight, bias), inputs, labels, "cpu")
+    check = result["check"]
+    assert result["scoring"] == scoring
+    assert check["limits"] == BF16_LIMITS and check["rows"] == check["labelled_rows"] == 2000
+    assert (check["max_abs_diff"] <= 0.01 and check["auc_diff"] <= 0.001) == (scoring == "bf16")
+    assert re.search(reason, check["reason"])
+
+
+def test_training_precision_check_scores_labels_against_the_rows_after_the_smoke_set():
+    from hybridtrain.export import precision_check
+
+    smoke = np.full((16, 1), 50.0, dtype=np.float32)  # constant rows that would break the AUC if counted
+    holdout = np.linspace(-3, 3, 200, dtype=np.float32).reshape(-1, 1)
+    labels = (holdout[:, 0] > 0).astype(np.float32)
+    result = precision_check(_probability_model(1.0, 0.0), np.concatenate([smoke, holdout]), labels, "cpu")
+    assert result["check"]["auc_fp32"] == 1.0 and result["check"]["rows"] == 216

@@ -46,7 +46,7 @@ def test_training_nvidia_smi_command_queries_only_the_bound_gpus(gpu_ids, comman
         ({"CUDA_VISIBLE_DEVICES": "MIG-1a2b", "SLURM_JOB_GPUS": "1,4"}, ("1", "4")),
         ({"SLURM_STEP_GPUS": "6,7", "SLURM_JOB_GPUS": "4,5,6,7"}, ("6", "7")),
         ({"SLURM_JOB_GPUS": "0"}, ("0",)),
-        ({"CUDA_VISIBLE_DEVICES": ""}, None),
+        ({"CUDA_VISIBLE_DEVICES": "", "SLURM_JOB_GPUS": "0"}, ()),
         ({"CUDA_VISIBLE_DEVICES": "0, 1"}, ("0", "1")),
         ({}, None),
     ],
@@ -57,7 +57,7 @@ def test_training_nvidia_smi_command_queries_only_the_bound_gpus(gpu_ids, comman
         "mig-falls-to-job-gpus",
         "step-gpus",
         "job-gpus",
-        "empty-means-all",
+        "empty-means-none",  # the CPU placement's jobs: CUDA shows no GPU, so none is theirs to sample
         "spaces",
         "nothing-bound-means-all",
     ],
@@ -261,6 +261,20 @@ def test_training_gpu_sampler_without_nvidia_smi_writes_one_record(tmp_path, mon
     assert record["gpu_available"] is False
     assert record["reason"] == "nvidia-smi not found"
     assert {"ts", "host"} <= set(record)
+
+
+def test_training_gpu_sampler_of_a_process_without_gpus_queries_none(tmp_path):
+    """A rank placed on the CPU partition (CUDA_VISIBLE_DEVICES empty) never samples the node's GPUs: their work
+    is other jobs'."""
+    executable = fake_nvidia_smi(tmp_path, f'touch "$(dirname "$0")/called"\necho "0, {UUID0}, 99, 1024, 250.5"\n')
+    path = tmp_path / "gpu_metrics.jsonl"
+    sampler = GpuSampler(path, interval_s=0.01, executable=executable, rank=0, gpu_ids=())
+    sampler.start()
+    sampler.join(timeout=10)
+    (record,) = read_gpu_metrics(path)
+    assert record["gpu_available"] is False and "no GPU bound" in record["reason"]
+    assert not (tmp_path / "called").exists()
+    assert summarise_gpu_metrics([record])["mean_utilization_pct"] is None
 
 
 def test_training_gpu_sampler_appends_samples_until_stopped(tmp_path):
