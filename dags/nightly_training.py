@@ -7,7 +7,8 @@ gate (`nodes` x `gpus` free) -> **training** (DeepSpeed on the Slurm GPU partiti
 (challenger vs the model of record on the same holdout; promote only when better by the configured margin) ->
 **scoring** (Spark, with the model of record)
 -> **deploy** (Triton: readiness, smoke test, latency gate, promote or roll back) -> **report** (HTML + JSON:
-volumes, quality, loss curve, ranks, all-reduce share, GPU-hours, utilization, cost, latency).
+volumes, quality, loss curve, ranks, all-reduce share, GPU-hours, utilization, cost, latency), and the model of
+record's MLflow registry version tagged with what it scored and the Triton version that serves it.
 
 - Scheduled nightly; reruns of a date replace its outputs, never duplicate them.
 - Backfills (`airflow backfill create` or the UI) recompute features and re-score history with the model of record;
@@ -299,6 +300,8 @@ with DAG(
         deploy_model = TritonDeployOperator(
             task_id="deploy_model",
             export_dir="{{ ti.xcom_pull(task_ids='deploy.plan_deploy') }}",
+            # the registry version it is: the Triton version's record names it (on-call goes from one to the other)
+            model_uri="{{ ti.xcom_pull(task_ids='scoring.model_of_record').get('version_uri', '') }}",
             **deploy_kwargs(config.serving),
             pool="triton_deploy",
         )
@@ -307,6 +310,18 @@ with DAG(
     with TaskGroup("report", tooltip="HTML + JSON: volumes, quality, loss, GPU-hours, utilization, cost, latency"):
         report = RunReportOperator(task_id="write_report", trigger_rule="none_failed_min_one_success")
 
+        # all_done: a deploy that rolled back is recorded too (write_report stays the leaf that fails the run)
+        @task(trigger_rule="all_done")
+        def record_in_registry(ds=None, run_id=None, ti=None) -> dict:
+            from hybridflow.pipeline.nightly_tasks import record_in_registry
+
+            recorded = record_in_registry(config, ti.xcom_pull(task_ids="scoring.model_of_record"),
+                                          ti.xcom_pull(task_ids="deploy.deploy_model", key="deploy_report"), ds, run_id)
+            print(f"MLflow registry: {recorded}")
+            return recorded
+
+        recorded = record_in_registry()
+
     # Wiring. Training hangs off the quality gate; scoring waits for the decision when there is one.
     raw_ready >> build_features >> gate
     [gate, preflight_ok] >> wait_for_gpus >> prepared
@@ -314,3 +329,4 @@ with DAG(
     [gate, decision] >> champion
     score >> deploy_model >> report
     score >> report
+    [score, deploy_model] >> recorded

@@ -8,7 +8,8 @@ with the reason: an id Slurm does not know, a job that is not ours (its name is 
 give), a job that has already finished, a requeue of a job that is not running.
 
 On-call uses it when a training job hangs, holds GPUs it does not use or sits on a bad node (requeue), or must
-stop now (cancel). The `reason` is written to the task log with the states before and after. Runbook:
+stop now (cancel). The `reason` is written to the task log with the states before and after, and as tag
+`hybridflow.oncall_action` on the job's MLflow training run (found by its job name). Runbook:
 `include/runbooks/oncall.md`.
 """
 
@@ -19,7 +20,8 @@ from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.params import strict_params, text
 
-ssh_conn_id = pipeline_config().cluster.ssh_conn_id
+config = pipeline_config()
+ssh_conn_id = config.cluster.ssh_conn_id
 # Slurm job ids are 32-bit, array task ids at most 4000000; no leading zeros.
 JOB_ID = r"[1-9][0-9]{0,9}(_(0|[1-9][0-9]{0,6}))?"
 # One line of printable text that starts and ends with a visible character (no control characters).
@@ -82,4 +84,14 @@ with DAG(
         return {"job_id": before["job_id"], "action": params["action"], "reason": params["reason"],
                 "before": before, "after": after}
 
-    apply_action(look_up_job())
+    @task
+    def record_in_mlflow(action: dict, dag_run=None) -> str:
+        from hybridflow.hooks.mlflow import MlflowHook
+        from hybridflow.pipeline.oncall_actions import record_in_mlflow
+
+        requested_by = getattr(dag_run, "triggering_user_name", None) or "unknown"
+        recorded = record_in_mlflow(MlflowHook(), config.nightly.mlflow_experiment, action, requested_by)
+        print(recorded)
+        return recorded
+
+    record_in_mlflow(apply_action(look_up_job()))

@@ -120,19 +120,24 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
                      f"[{', '.join(metrics.get('ranks') or [])}], ZeRO-{metrics.get('zero_stage')}; all-reduce share "
                      f"in the job {metrics.get('allreduce_share_in_job')}")
         lines.append(f"checkpoint: {train.get('run_dir')}/checkpoints (newest complete: step {metrics.get('step')})")
+        if train.get("mlflow_run_url"):
+            lines.append(f"MLflow run: {train['mlflow_run_url']}")
     decision = get("evaluation.champion_challenger")
     if decision:
         lines.append(f"evaluation: {decision.get('reason')}")
+        if decision.get("model_uri"):
+            lines.append(f"registry: trained model is {decision['model_uri']} (alias challenger)")
     scoring = get("scoring.model_of_record")
     predictions = Path(storage_root) / "predictions"
     if scoring:
+        lines.append(f"champion: {scoring.get('version_uri')} ({scoring.get('uri')})")
         lines.append(f"scoring: model of record {scoring.get('version')} -> {predictions}")
     deploy = get("deploy.deploy_model") or xcom(api, NIGHTLY, run_id, "deploy.deploy_model", "deploy_report") or {}
     if deploy:
         latency = deploy.get("latency") or {}
         lines.append(f"serving: Triton model {deploy.get('model')} version {deploy.get('version')} "
                      f"(promoted={deploy.get('promoted')}), gate p50 {latency.get('p50_ms')} ms, p99 "
-                     f"{latency.get('p99_ms')} ms")
+                     f"{latency.get('p99_ms')} ms; serves {deploy.get('model_uri') or 'no registry version'}")
     if scoring and scoring.get("export_dir"):
         try:
             lines.append("realtime: " + sample_prediction(deploy.get("model") or "propensity", scoring["export_dir"]))

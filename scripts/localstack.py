@@ -1454,8 +1454,27 @@ def import_file_registry() -> None:
     log(f"registry import: {done.stdout.strip()}")
 
 
+def child_groups(pid: int) -> set[int]:
+    """Process groups led by a descendant of pid (the Triton guard runs tritonserver in a group of its own)."""
+    parent_of, group_of = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        child = int(stat.parent.name)
+        parent_of[child], group_of[child] = int(fields[1]), int(fields[2])
+    descendants, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parent_of.items() if parent in frontier} - descendants
+        descendants |= frontier
+    return {child for child in descendants if group_of[child] == child}
+
+
 def stop_pid(name: str, pid: int, group: bool = True) -> None:
-    # Processes we spawned lead their own session: signal the group so children go too.
+    # Processes we spawned lead their own session: signal the group so children go too, and afterwards any group a
+    # child leads that its parent did not end (a SIGKILLed guard leaves tritonserver's).
+    led = child_groups(pid) if group else set()
     try:
         target = -pid if group and os.getpgid(pid) == pid else pid
         os.kill(target, signal.SIGTERM)
@@ -1468,6 +1487,12 @@ def stop_pid(name: str, pid: int, group: bool = True) -> None:
         log(f"{name}: did not stop after SIGTERM; sending SIGKILL")
         try:
             os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for leader in led:
+        try:
+            os.killpg(leader, signal.SIGKILL)
+            log(f"{name}: killed process group {leader} its child left behind")
         except ProcessLookupError:
             pass
 

@@ -133,6 +133,19 @@ def test_nightly_run_produces_every_stages_output(api, stack, one_node_run):
     champion_smoke = json.loads((Path(champion_dir) / "smoke.json").read_text())
     served = hook.infer(deploy["model"], np.asarray(champion_smoke["inputs"], dtype=np.float32))
     assert np.allclose(served.reshape(-1), np.asarray(champion_smoke["outputs"]).reshape(-1), atol=1e-5)
+    # Both ways: the served Triton version's record names its registry version, and that version (the champion)
+    # names the Triton version, what the deploy decided and the partition it scored.
+    champion_uri = f"models:/propensity/{champion['version']}"
+    served_record = Path(deploy["repository"].removeprefix("file://")) / deploy["model"] / str(deploy["version"])
+    assert json.loads((served_record / "hybridflow.json").read_text())["model_uri"] == champion_uri
+    assert deploy["model_uri"] == champion_uri
+    recorded = xcom(api, DAG, run_id, "report.record_in_registry")
+    assert recorded["version_uri"] == champion_uri and set(recorded) >= {"scoring", "deploy"}, recorded
+    champion_tags = {t["key"]: t["value"] for t in registry.alias("propensity", "champion")["tags"]}
+    assert champion_tags["hybridflow.triton_version"] == str(deploy["version"])
+    assert f"Triton {deploy['model']} version {deploy['version']} promoted" in champion_tags["hybridflow.deploy"]
+    assert (champion_tags["hybridflow.last_scored_ds"], champion_tags["hybridflow.last_scored_rows"],
+            champion_tags["hybridflow.last_scored_by"]) == (ds, str(predictions["row_count"]), run_id)
 
     report = xcom(api, DAG, run_id, "report.write_report")
     written = json.loads(Path(report["json"]).read_text())

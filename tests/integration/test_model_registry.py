@@ -206,3 +206,53 @@ def test_evaluation_with_mlflow_down_fails_naming_the_server_and_its_retry_regis
     finally:
         mlflow.delete_registered_model(config.nightly.model_name)
         shutil.rmtree(config.storage.layout.model_dir(config.nightly.model_name), ignore_errors=True)
+
+
+DEPLOY_REPORT = {"model": "propensity_rt", "version": 7, "promoted": True, "slo_p99_ms": 50,
+                 "smoke": {"rows": 8, "max_abs_error": 1e-7}, "latency": {"p99_ms": 12.5}}
+
+
+def test_recording_a_deploy_with_mlflow_down_fails_naming_the_server_and_its_retry_tags_once(
+        registry, stack, tmp_path, monkeypatch):
+    """The record task's body tags the served registry version with its Triton model and version and what the
+    deploy decided; with MLflow down it fails naming the server, its retry tags the version once."""
+    version = registered(registry, tmp_path, "night-1", b"one")["version"]
+    conn = json.loads(stack["AIRFLOW_CONN_MLFLOW_DEFAULT"]) | {"port": 9}
+    monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_DOWN", json.dumps(conn))
+    down = ModelRegistry(MlflowHook("mlflow_down"), str(tmp_path / "storage"), registry.model_name)
+    with pytest.raises(MlflowUnavailable, match=r"127\.0\.0\.1:9.*make status"):
+        down.record_deploy(version, DEPLOY_REPORT)
+    hostile = {**DEPLOY_REPORT, "promoted": False, "reason": "latency gate failed: p99 '; DROP TABLE x; -- \n${x}"}
+    for _ in range(2):  # the retry, then a second one
+        registry.record_deploy(version, hostile)
+    tags = registry.version(version)["tags"]
+    assert (tags["hybridflow.triton_model"], tags["hybridflow.triton_version"]) == ("propensity_rt", "7")
+    assert tags["hybridflow.deploy"].endswith(
+        "Triton propensity_rt version 7 rolled back: latency gate failed: p99 '; DROP TABLE x; -- \n${x}; "
+        "smoke max abs error 1e-07 over 8 rows; p99 12.5 ms (SLO 50 ms)")  # verbatim, never interpreted
+    assert len(registry.mlflow.search_model_versions(registry.model_name)) == 1
+    assert registry.version(version)["aliases"] == ["challenger"]  # recording moves no alias
+
+
+def test_an_oncall_rollback_of_triton_moves_the_champion_to_the_version_it_restored(registry, tmp_path):
+    one = registered(registry, tmp_path, "night-1", b"one")["version"]
+    registry.promote(one, expected_champion=None, reason="first model")
+    two = registered(registry, tmp_path, "night-2", b"two")["version"]
+    registry.promote(two, expected_champion=one, reason="better")
+    restored = {"model": "propensity_rt", "version": 3, "rolled_back_from": 4,
+                "model_uri": f"models:/{registry.model_name}/{one}"}
+    for _ in range(2):  # the on-call task and its retry
+        moved = registry.record_triton_rollback(restored)
+        assert moved.startswith(f"champion is models:/{registry.model_name}/{one}"), moved
+        assert registry.champion()["version"] == one
+    assert registry.version(two)["tags"]["hybridflow.rolled_back"].endswith(
+        "on-call rollback of Triton propensity_rt version 3 (from version 4)")
+    # A Triton version deployed by hand, or serving another registered model, moves nothing and says why.
+    assert "deployed outside the pipeline" in registry.record_triton_rollback({**restored, "model_uri": ""})
+    assert "not a version of" in registry.record_triton_rollback({**restored, "model_uri": "models:/other/2"})
+    with pytest.raises(RegistryError, match="which MLflow does not have"):
+        registry.record_triton_rollback({**restored, "model_uri": f"models:/{registry.model_name}/99"})
+    for hostile in ("models:/../1", f"models:/{registry.model_name}/1; rm -rf /", "runs:/abc/model", 7):
+        with pytest.raises(RegistryError, match="model_uri: .* is not a registry version"):
+            registry.record_triton_rollback({**restored, "model_uri": hostile})
+    assert registry.champion()["version"] == one

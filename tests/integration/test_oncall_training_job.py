@@ -54,8 +54,32 @@ def conf(job_id: str, action: str, reason: str = "integration test: the job hang
     return {"job_id": job_id, "action": action, "reason": reason}
 
 
-def test_oncall_cancel_ends_our_running_job_cancelled(run_dag, slurm, submit_job):
-    job_id = submit_job(ours(), ["sleep", "600"])
+@pytest.fixture
+def training_run(stack):
+    """An MLflow run in the nightly experiment tagged with a job name, as the training operator leaves one."""
+    from hybridflow.hooks.mlflow import MlflowHook
+    from hybridflow.utils.mlflow_tracking import job_name_tags
+
+    mlflow, made = MlflowHook(), []
+
+    def make(job_name: str) -> str:
+        run = mlflow.create_run(mlflow.experiment_id("nightly_training"), "tests-oncall", job_name_tags(job_name),
+                                int(time.time() * 1000))
+        made.append(run["info"]["run_id"])
+        return made[-1]
+
+    yield make
+    for run_id in made:  # out of the nightly history the report charts
+        mlflow.call("POST", "runs/delete", payload={"run_id": run_id})
+
+
+def test_oncall_cancel_ends_our_running_job_cancelled(run_dag, slurm, submit_job, training_run):
+    from hybridflow.hooks.mlflow import MlflowHook
+    from hybridflow.utils.mlflow_tracking import ONCALL_TAG
+
+    name = ours()
+    job_id = submit_job(name, ["sleep", "600"])
+    run_id = training_run(name)
     wait_for(slurm, job_id, ("RUNNING",))
     result = run_dag(SOURCE, DAG_ID, conf(job_id, "cancel", "holds a node at 0% utilisation"))
     assert result["state"] == "success", result["log"][-4000:]
@@ -65,6 +89,11 @@ def test_oncall_cancel_ends_our_running_job_cancelled(run_dag, slurm, submit_job
     assert outcome["reason"] == "holds a node at 0% utilisation"
     assert slurm.status(job_id).state == "CANCELLED"
     assert "reason: 'holds a node at 0% utilisation'" in result["log"]
+    # The job's training run says what on-call did and why.
+    assert result["tasks"]["record_in_mlflow"]["xcom"]["return_value"] == f"recorded on MLflow run {run_id}"
+    tags = {t["key"]: t["value"] for t in MlflowHook().get_run(run_id)["data"]["tags"]}
+    assert f"cancel of Slurm job {job_id} by " in tags[ONCALL_TAG]
+    assert tags[ONCALL_TAG].endswith(": RUNNING -> CANCELLED; reason: holds a node at 0% utilisation")
 
 
 def test_oncall_requeue_puts_our_running_job_back_with_a_higher_restart_count(run_dag, slurm, submit_job):
@@ -77,6 +106,8 @@ def test_oncall_requeue_puts_our_running_job_back_with_a_higher_restart_count(ru
     assert outcome["after"]["restarts"] == before.restarts + 1
     assert outcome["after"]["state"] in ("PENDING", "REQUEUED", "CONFIGURING", "RUNNING")
     assert slurm.status(job_id).restarts == before.restarts + 1
+    recorded = result["tasks"]["record_in_mlflow"]["xcom"]["return_value"]  # a job no training run names
+    assert recorded.startswith("no MLflow run of experiment 'nightly_training' belongs to Slurm job"), recorded
 
 
 def test_oncall_unknown_job_id_fails_clearly_without_retries(run_dag):

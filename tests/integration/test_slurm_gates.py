@@ -80,13 +80,15 @@ def test_training_operator_refuses_an_impossible_shape_before_submitting(stack):
     run_dir = f"{stack['HYBRIDFLOW_STORAGE_ROOT']}/runs/test-impossible-{uuid.uuid4().hex[:8]}"
     op = DeepSpeedTrainingOperator(task_id="train", run_config={}, run_dir=run_dir, python="python3",
                                    jobs_dir="/nowhere", partition="gpu-training", nodes=2, gpus_per_node=9)
+    name = f"hf-test-impossible-{uuid.uuid4().hex[:8]}"  # unique: other jobs may start meanwhile
     hook = SlurmHook()
     try:
-        before = hook.run(["sacct", "-X", "-n", "-P", "--starttime=now-1hours", "--format=JobID"]).stdout.split()
         with pytest.raises(AirflowFailException, match="not submitted: 2 node.s. x 9 GPU.s. can never run"):
-            op._refuse_impossible_shape(op.build_spec("hf-test-impossible"))
-        after = hook.run(["sacct", "-X", "-n", "-P", "--starttime=now-1hours", "--format=JobID"]).stdout.split()
-        assert after == before
+            op._refuse_impossible_shape(op.build_spec(name))
+        accounted = hook.run(["sacct", "-X", "-n", "-P", "--starttime=now-1hours", f"--name={name}",
+                              "--format=JobID"]).stdout.split()
+        queued = hook.run(["squeue", "-h", f"--name={name}", "-o", "%i"]).stdout.split()
+        assert accounted == [] and queued == [], f"a job named {name} was submitted: {accounted or queued}"
     finally:
         hook.close()
 

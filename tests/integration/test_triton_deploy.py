@@ -110,6 +110,9 @@ def test_deploy_promotes_good_versions_rolls_back_bad_ones_and_oncall_restores_w
     assert restored["smoke"]["max_abs_error"] <= 1e-5
     assert ready_versions(model_name) == [1]
     assert records(repository, model_name)[2].status is VersionStatus.ROLLED_BACK
+    # Versions deployed by hand name no registry version: the champion alias is left where it is, and it says so.
+    moved = rollback["tasks"]["move_champion"]["xcom"]["return_value"]
+    assert moved.startswith("champion not moved") and "deployed outside the pipeline" in moved, moved
 
     time.sleep(0.5)
     events = loop.stop()

@@ -197,7 +197,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
             run = mlflow.find_run_by_tag(experiment_id, tracking.RUN_KEY_TAG, identity.key_sha)
             if run is None:
                 tags = tracking.start_tags(identity, try_number=getattr(context["ti"], "try_number", None),
-                                           ds=context.get("ds"))
+                                           ds=context.get("ds")) | tracking.job_name_tags(self.job_name(context))
                 if identity.generation:
                     first = mlflow.find_run_by_tag(experiment_id, tracking.RUN_KEY_TAG,
                                                    identity.first_generation().key_sha)

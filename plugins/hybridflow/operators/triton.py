@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from pathlib import Path
@@ -254,17 +255,20 @@ class TritonDeployOperator(TritonServingOperator):
     it becomes ready (milliseconds). Clients that must never see an unproven version ask for a version.
 
     :param export_dir: the training job's ``export/`` directory (templated).
+    :param model_uri: the registry version it is (``models:/<name>/<N>``, templated), kept in the Triton version's
+        record so a served version leads back to its registry version and run.
     :param slo_p99_ms: the latency budget of one request at p99.
     :param concurrency: requests in flight during the latency gate; ``gate_requests`` how many in all.
     :param deferrable: wait for readiness in the triggerer (default) instead of holding a worker slot.
     """
 
-    template_fields: Sequence[str] = ("export_dir", "model_name", "repository")
+    template_fields: Sequence[str] = ("export_dir", "model_uri", "model_name", "repository")
 
     def __init__(
         self,
         *,
         export_dir: str,
+        model_uri: str = "",
         slo_p99_ms: float = ServingConfig.slo_p99_ms,
         concurrency: int = ServingConfig.gate_concurrency,
         gate_requests: int = ServingConfig.gate_requests,
@@ -273,13 +277,18 @@ class TritonDeployOperator(TritonServingOperator):
     ):
         super().__init__(**kwargs)
         self.export_dir = export_dir
+        self.model_uri = model_uri
         self.slo_p99_ms = slo_p99_ms
         self.concurrency = concurrency
         self.gate_requests = gate_requests
         self.deferrable = deferrable
 
     def validate(self) -> None:
+        from hybridflow.pipeline.registry import parse_version_uri
+
         self.validate_names()
+        if self.model_uri:
+            parse_version_uri(self.model_uri, "model_uri")
         if not self.slo_p99_ms > 0:
             raise ConfigError(f"slo_p99_ms is {self.slo_p99_ms}; give the p99 budget in milliseconds "
                               f"(default {ServingConfig.slo_p99_ms:g})")
@@ -320,19 +329,22 @@ class TritonDeployOperator(TritonServingOperator):
         if version is None:
             version = next_version(self.repo.versions(self.model_name))
             record = VersionRecord(version=version, sha256=bundle.sha256, n_features=bundle.signature.n_features,
-                                   source=str(bundle.directory), published_at=now())
+                                   source=str(bundle.directory), published_at=now(), model_uri=self.model_uri or "")
             self.repo.publish_version(self.model_name, version, bundle.version_files(), record)
             self.log.info("Published %s version %s (sha256 %s) to %s", self.model_name, version, bundle.sha256[:12],
                           self.repo.uri)
         else:
             self.log.info("%s version %s already holds this model.pt (sha256 %s): reusing it", self.model_name,
                           version, bundle.sha256[:12])
+            if self.model_uri and records[version].model_uri != self.model_uri:  # deployed before it was registered
+                self.repo.write_record(self.model_name, replace(records[version], model_uri=self.model_uri))
         loaded = loaded_versions(previous, version)
         changed = self.repo.write_config(self.model_name, self.render_config(bundle.signature.n_features, loaded))
         self.log.info("Loading %s versions %s (serving now: %s, until promotion)", self.model_name, list(loaded),
                       previous)
         carry = {"version": version, "previous_version": previous, "reused_version": reused,
-                 "sha256": bundle.sha256, "n_features": bundle.signature.n_features}
+                 "sha256": bundle.sha256, "n_features": bundle.signature.n_features,
+                 "model_uri": self.model_uri or records[version].model_uri if reused else self.model_uri}
         # Rerunning the deploy of the version serving now needs no load: only the checks.
         load = changed or previous != version
         if self.deferrable:
@@ -358,6 +370,7 @@ class TritonDeployOperator(TritonServingOperator):
         report = {
             "model": self.model_name, "version": version, "previous_version": previous, "promoted": False,
             "reused_version": carry["reused_version"], "sha256": carry["sha256"], "repository": self.repo.uri,
+            "model_uri": carry.get("model_uri", ""),
             "status_url": self.status_url, "slo_p99_ms": self.slo_p99_ms, "load_s": None, "smoke": None,
             "latency": None, "reason": None,
         }
@@ -573,7 +586,8 @@ class TritonRollbackOperator(TritonServingOperator):
                       self.model_name, target, rolled_back_from, smoke.max_abs_error, smoke.rows,
                       event.get("load_s") or 0)
         return {"model": self.model_name, "version": target, "rolled_back_from": rolled_back_from,
-                "load_s": event.get("load_s"), "smoke": smoke.to_dict(), "status_url": self.status_url}
+                "load_s": event.get("load_s"), "smoke": smoke.to_dict(), "status_url": self.status_url,
+                "model_uri": records[target].model_uri}
 
     def _restore(self, current: int | None, n_features: int) -> None:
         if current is None:

@@ -198,7 +198,23 @@ def model_of_record(config: PipelineConfig) -> dict[str, Any]:
             "include/runbooks/scoring.md)")
     return {"model_path": champion["model_path"], "version": f"v{champion['version']}",
             "export_dir": champion["export_dir"], "number": champion["version"], "uri": registry.champion_uri,
-            "run_id": champion["run_id"]}
+            "version_uri": f"models:/{registry.model_name}/{champion['version']}", "run_id": champion["run_id"]}
+
+
+def record_in_registry(config: PipelineConfig, model: dict[str, Any] | None, deployed: dict[str, Any] | None,
+                       ds: str, run_id: str) -> dict[str, Any]:
+    """Tag the model of record's registry version with what this run did with it: the partition it scored and the
+    Triton version the deploy served or rolled back (``deployed``, the deploy's report, None when it did not run)."""
+    if not model:
+        return {"recorded": False, "reason": "no model of record this run: nothing to record"}
+    registry = model_registry(config)
+    recorded: dict[str, Any] = {"recorded": True, "version_uri": model.get("version_uri")}
+    figures = scoring_figures(config, ds)
+    if figures and figures.get("model_version") == model["version"]:
+        recorded["scoring"] = registry.record_scoring(model["number"], ds, figures.get("rows"), run_id)
+    if deployed and deployed.get("model_uri") == model.get("version_uri"):
+        recorded["deploy"] = registry.record_deploy(model["number"], deployed)
+    return recorded
 
 
 def scoring_figures(config: PipelineConfig, ds: str) -> dict[str, Any] | None:

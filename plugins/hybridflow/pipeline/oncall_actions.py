@@ -18,6 +18,7 @@ from hybridflow.exceptions import JobActionFailed, JobActionRefused
 from hybridflow.utils.slurm import deterministic_job_name
 
 if TYPE_CHECKING:
+    from hybridflow.hooks.mlflow import MlflowHook
     from hybridflow.hooks.slurm import SlurmHook
     from hybridflow.utils.slurm_jobs import SlurmJobStatus
 
@@ -93,3 +94,18 @@ def _state(status: SlurmJobStatus | None) -> str:
 
 def _requeued(status: SlurmJobStatus | None, before: dict) -> bool:
     return status is not None and status.state in REQUEUED_STATES and status.restarts > before["restarts"]
+
+
+def record_in_mlflow(mlflow: MlflowHook, experiment: str, action: dict, requested_by: str) -> str:
+    """Tag the training run of the job an on-call action touched with what was done and why (the run is found by
+    its job name's digest, so any name reaches the search as hex only); says so when the job has no run."""
+    from hybridflow.pipeline.registry import utc_now
+    from hybridflow.utils import mlflow_tracking as tracking
+
+    name = (action.get("before") or {}).get("name") or ""
+    run = mlflow.find_run_by_tag(mlflow.experiment_id(experiment), tracking.JOB_NAME_SHA_TAG,
+                                 tracking.job_name_sha(name))
+    if run is None:
+        return f"no MLflow run of experiment {experiment!r} belongs to Slurm job {action.get('job_id')} ({name!r})"
+    mlflow.log_batch(run["info"]["run_id"], tags=tracking.oncall_tag(action, utc_now(), requested_by))
+    return f"recorded on MLflow run {run['info']['run_id']}"

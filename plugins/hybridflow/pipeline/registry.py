@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator, Mapping
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from hybridflow.atomic import staged_dir
 from hybridflow.exceptions import HybridflowError
 from hybridflow.layout import StorageLayout
+from hybridflow.utils.mlflow_tracking import clip
 
 if TYPE_CHECKING:
     from hybridflow.hooks.mlflow import MlflowHook
@@ -46,6 +48,9 @@ TAG_IMPORTED_FROM = "hybridflow.imported_from_version"
 LOCK_SUFFIX = ".promotion-lock"
 LOCK_STALE_S = 600  # a promotion takes seconds: a lock this old was left by a killed task
 IMPORT_EXPERIMENT = "model_registry_import"
+TAG_ROLLED_BACK = "hybridflow.rolled_back"
+# Registered model names the config allows (nightly.model_name); a version URI names one of them and a number.
+VERSION_URI = re.compile(r"models:/([A-Za-z0-9_-]{1,64})/([1-9][0-9]{0,9})")
 
 
 class RegistryError(HybridflowError):
@@ -87,6 +92,41 @@ def version_record(model_version: Mapping[str, Any]) -> dict[str, Any]:
         "previous_champion": int(previous) if previous.isdigit() else None,
         "tags": tags,
     }
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def parse_version_uri(uri: Any, field: str = "model_uri") -> tuple[str, int]:
+    """(registered model, version) of ``models:/<name>/<N>``; anything else is refused naming the field."""
+    found = VERSION_URI.fullmatch(uri) if isinstance(uri, str) else None
+    if found is None:
+        raise RegistryError(f"{field}: {str(uri)[:200]!r} is not a registry version; give models:/<name>/<N> (the "
+                            "name from nightly.model_name, N the MLflow version)")
+    return found.group(1), int(found.group(2))
+
+
+def deploy_tags(report: Mapping[str, Any], at: str) -> dict[str, str]:
+    """The registry version's side of the link to Triton: which model and version serve it, and what the deploy
+    decided and why (its figures, or the reason it rolled back)."""
+    model, version = report.get("model"), report.get("version")
+    smoke, latency = report.get("smoke") or {}, report.get("latency") or {}
+    figures = "; ".join(part for part in (
+        f"smoke max abs error {smoke['max_abs_error']:.3g} over {smoke.get('rows')} rows"
+        if isinstance(smoke.get("max_abs_error"), int | float) else "",
+        f"p99 {latency['p99_ms']:.1f} ms (SLO {report.get('slo_p99_ms')} ms)"
+        if isinstance(latency.get("p99_ms"), int | float) else "") if part)
+    outcome = "promoted" if report.get("promoted") else f"rolled back: {report.get('reason') or 'no reason given'}"
+    summary = f"{at}: Triton {model} version {version} {outcome}" + (f"; {figures}" if figures else "")
+    return {"hybridflow.triton_model": clip(model), "hybridflow.triton_version": clip(version),
+            "hybridflow.deploy": clip(summary)}
+
+
+def scoring_tags(ds: str, rows: Any, airflow_run_id: str) -> dict[str, str]:
+    """What the champion last scored: the partition, its rows and the Airflow run that scored it."""
+    return {"hybridflow.last_scored_ds": clip(ds), "hybridflow.last_scored_rows": clip(rows),
+            "hybridflow.last_scored_by": clip(airflow_run_id)}
 
 
 def version_tags(details: Mapping[str, Any]) -> dict[str, str]:
@@ -212,8 +252,8 @@ class ModelRegistry:
                 return Promotion(False, current_version, message)
             self.mlflow.set_model_version_tags(self.model_name, version, {
                 TAG_PREVIOUS_CHAMPION: "" if expected_champion is None else str(expected_champion),
-                "hybridflow.promotion_reason": reason,
-                "hybridflow.promoted_at": datetime.now(UTC).isoformat(timespec="seconds")})
+                "hybridflow.promotion_reason": clip(reason),
+                "hybridflow.promoted_at": utc_now()})
             self.mlflow.set_alias(self.model_name, CHAMPION, version)
         return Promotion(True, version, reason)
 
@@ -232,9 +272,40 @@ class ModelRegistry:
             if self.version(target) is None:
                 raise RegistryError(f"{self.model_name} has no version {target}")
             self.mlflow.set_model_version_tags(self.model_name, current["version"], {
-                "hybridflow.rolled_back": f"{datetime.now(UTC).isoformat(timespec='seconds')}: {reason}"})
+                TAG_ROLLED_BACK: clip(f"{utc_now()}: {reason}")})
             self.mlflow.set_alias(self.model_name, CHAMPION, target)
         return Promotion(True, target, reason)
+
+    # --- what happened to a version after it was registered -----------------------------------------------------
+
+    def record_deploy(self, version: int, report: Mapping[str, Any]) -> dict[str, str]:
+        """Tag the version a deploy served or tried (the Triton record names it back, ``model_uri``)."""
+        tags = deploy_tags(report, utc_now())
+        self.mlflow.set_model_version_tags(self.model_name, version, tags)
+        return tags
+
+    def record_scoring(self, version: int, ds: str, rows: Any, airflow_run_id: str) -> dict[str, str]:
+        tags = scoring_tags(ds, rows, airflow_run_id)
+        self.mlflow.set_model_version_tags(self.model_name, version, tags)
+        return tags
+
+    def record_triton_rollback(self, rolled: Mapping[str, Any], holder: str = "") -> str:
+        """After an on-call rollback of Triton, move ``champion`` to the registry version the restored Triton
+        version serves (its record's ``model_uri``), so scoring and the next deploy follow it. A Triton version
+        deployed outside the pipeline (no model_uri) or serving another registered model moves nothing; says why."""
+        uri = rolled.get("model_uri") or ""
+        where = f"Triton {rolled.get('model')} version {rolled.get('version')}"
+        if not uri:
+            return f"champion not moved: {where} names no registry version (it was deployed outside the pipeline)"
+        name, version = parse_version_uri(uri, f"{where} model_uri")
+        if name != self.model_name:
+            return f"champion not moved: {where} serves {uri}, not a version of {self.model_name}"
+        if self.version(version) is None:
+            raise RegistryError(f"{where} names {uri}, which MLflow does not have: restore that version in MLflow "
+                                f"or move alias {CHAMPION} by hand")
+        outcome = self.roll_back(to_version=version, holder=holder or "oncall_rollback_model",
+                                 reason=f"on-call rollback of {where} (from version {rolled.get('rolled_back_from')})")
+        return f"champion is {uri} ({outcome.message})"
 
 
 # --- importing the earlier file registry -------------------------------------------------------------------------

@@ -14,13 +14,16 @@ from typing import Any
 
 RUN_KEY_TAG = "hybridflow.run_key_sha"
 RETRAIN_OF_TAG = "hybridflow.retrain_of"
+JOB_NAME_TAG = "hybridflow.slurm_job_name"
+JOB_NAME_SHA_TAG = "hybridflow.slurm_job_name_sha"  # searchable without escaping: on-call finds a job's run by it
+ONCALL_TAG = "hybridflow.oncall_action"
 RUN_FILE = "mlflow_run.json"  # in the run directory: the run id, so every attempt continues the same run
 CREDENTIALS_FILE = ".mlflow-credentials.json"  # in the run directory, 0600, removed once the task is done
 STEP_METRICS_FILE = "step_metrics.jsonl"  # the job's (jobs/hybridtrain/tracking.py)
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 # MLflow's limits: experiment names and tag values are stored verbatim, but not beyond these lengths
 MAX_EXPERIMENT_NAME = 500
-_MAX_TAG_VALUE = 5000
+MAX_TAG_VALUE = 5000
 _MAX_PARAM_VALUE = 6000
 
 
@@ -69,9 +72,26 @@ def stored_run_id(text: str | None) -> str | None:
     return run_id if isinstance(run_id, str) and _RUN_ID.fullmatch(run_id) else None
 
 
-def _clip(value: Any, limit: int) -> str:
+def clip(value: Any, limit: int = MAX_TAG_VALUE) -> str:
+    """A value as MLflow stores it: text verbatim (JSON for anything else), cut to its limit."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def job_name_sha(job_name: str) -> str:
+    return hashlib.sha256(job_name.encode()).hexdigest()[:32]
+
+
+def job_name_tags(job_name: str) -> dict[str, str]:
+    """The run's Slurm job name (deterministic, known before submission), and its digest for searches."""
+    return {JOB_NAME_TAG: clip(job_name), JOB_NAME_SHA_TAG: job_name_sha(job_name)}
+
+
+def oncall_tag(action: Mapping[str, Any], at: str, requested_by: str) -> dict[str, str]:
+    """What an on-call action did to a training run's job, and why, as one tag on the run."""
+    before, after = action.get("before") or {}, action.get("after") or {}
+    return {ONCALL_TAG: clip(f"{at}: {action.get('action')} of Slurm job {action.get('job_id')} by {requested_by}: "
+                             f"{before.get('state')} -> {after.get('state')}; reason: {action.get('reason')}")}
 
 
 def start_tags(identity: TrainingRunIdentity, *, try_number: int | None, ds: str | None) -> dict[str, str]:
@@ -87,7 +107,7 @@ def start_tags(identity: TrainingRunIdentity, *, try_number: int | None, ds: str
     }
     if ds:
         tags["hybridflow.ds"] = ds
-    return {key: _clip(value, _MAX_TAG_VALUE) for key, value in tags.items()}
+    return {key: clip(value, MAX_TAG_VALUE) for key, value in tags.items()}
 
 
 def training_params(run_config: Mapping[str, Any], *, nodes: int, gpus_per_node: int,
@@ -116,7 +136,7 @@ def training_params(run_config: Mapping[str, Any], *, nodes: int, gpus_per_node:
         "data_window": window,
         "data_days": len(days),
     }
-    return {key: _clip(value, _MAX_PARAM_VALUE) for key, value in params.items() if value is not None}
+    return {key: clip(value, _MAX_PARAM_VALUE) for key, value in params.items() if value is not None}
 
 
 def _number(value: Any) -> float | None:
@@ -158,7 +178,7 @@ def finish_tags(metrics: Mapping[str, Any], *, slurm_job_id: str, partition: str
         "hybridflow.precision": deepspeed.get("precision"),
         "hybridflow.device": deepspeed.get("device"),
     }
-    return {key: _clip(value, _MAX_TAG_VALUE) for key, value in tags.items() if value not in (None, "")}
+    return {key: clip(value, MAX_TAG_VALUE) for key, value in tags.items() if value not in (None, "")}
 
 
 def read_step_metrics(text: str) -> list[dict[str, Any]]:

@@ -226,6 +226,7 @@ class VersionRecord:
     status: VersionStatus = VersionStatus.PUBLISHED
     changed_at: str = ""
     reason: str = ""
+    model_uri: str = ""  # the registry version it serves (models:/<name>/<N>); "" for one deployed by hand
 
     def with_status(self, status: VersionStatus, at: str, reason: str = "") -> VersionRecord:
         return replace(self, status=status, changed_at=at, reason=reason)
