@@ -75,7 +75,8 @@ AT = "2026-12-05T01:00:00+00:00"
      f"{AT}: Triton rt version 5 promoted; smoke max abs error 0 over 8 rows; p99 23.4 ms (SLO 50 ms)"),
     ({"model": "rt", "version": 6, "promoted": False, "reason": "smoke test failed: max abs error 0.5",
       "smoke": {"rows": 8, "max_abs_error": 0.5}, "latency": None},
-     f"{AT}: Triton rt version 6 rolled back: smoke test failed: max abs error 0.5; smoke max abs error 0.5 over 8 rows"),
+     f"{AT}: Triton rt version 6 rolled back: smoke test failed: max abs error 0.5; smoke max abs error 0.5 over "
+     "8 rows"),
     ({"model": "rt", "version": 7, "promoted": False, "reason": None, "smoke": None},
      f"{AT}: Triton rt version 7 rolled back: no reason given"),
     ({"model": "rt", "version": 8, "promoted": False, "reason": "<b>${x}</b>\n'; --", "latency": {"p99_ms": "x"}},
