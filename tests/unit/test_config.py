@@ -67,6 +67,22 @@ def mutate(path: str, value):
         ("storage", "/data", "pipeline.storage: expected a mapping, got str"),
         ("storage.root", "${NOT_SET_ANYWHERE}", "environment variable NOT_SET_ANYWHERE is not set"),
         ("nightly.model_name", "bad name;rm", "pipeline.nightly.model_name: 'bad name;rm'"),
+        # The registered model's name reaches MLflow's REST paths and the storage layout: refused unless plain.
+        ("nightly.model_name", "../propensity", "pipeline.nightly.model_name: '../propensity'; use letters"),
+        ("nightly.model_name", "propensity@champion", "model_name: 'propensity@champion'; use letters"),
+        ("nightly.model_name", "p/1", "pipeline.nightly.model_name: 'p/1'; use letters"),
+        ("nightly.model_name", "", "pipeline.nightly.model_name: ''; use letters"),
+        ("nightly.model_name", "m" * 65, "use letters, digits, '_', '-' (1-64)"),
+        ("nightly.model_name", "propensity\n", "pipeline.nightly.model_name: 'propensity\\n'; use letters"),
+        ("nightly.model_name", 7, "pipeline.nightly.model_name: expected str, got int"),
+        # An experiment name is stored verbatim (quotes, slashes, unicode are fine); empty, over-long or control
+        # characters are refused.
+        ("nightly.mlflow_experiment", "", "pipeline.nightly.mlflow_experiment: ''; use a non-empty name"),
+        ("nightly.mlflow_experiment", "   ", "mlflow_experiment: '   '; use a non-empty name"),
+        ("nightly.mlflow_experiment", "e" * 501, "use a non-empty name of at most 500 characters"),
+        ("nightly.mlflow_experiment", "a\nb", "mlflow_experiment: 'a\\nb' holds control characters"),
+        ("nightly.mlflow_experiment", "a\x00b", "holds control characters; use printable text"),
+        ("nightly.mlflow_experiment", ["x"], "pipeline.nightly.mlflow_experiment: expected str, got list"),
         ("nightly.min_auc_gain", 1.5, "pipeline.nightly.min_auc_gain: 1.5; expected a value in [0, 1)"),
         ("nightly.gpus", 0, "pipeline.nightly.gpus: 0; expected a positive integer"),
         ("nightly.simulate_raw", "yes", "pipeline.nightly.simulate_raw: expected bool, got str 'yes'"),
