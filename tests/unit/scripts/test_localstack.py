@@ -334,3 +334,31 @@ def test_write_new_file_does_not_follow_a_planted_symlink(localstack, tmp_path):
     with pytest.raises(OSError):
         localstack.write_new_file(path, "value", 0o600)
     assert target.read_text() == "untouched" and not path.exists()
+
+
+def test_stopping_a_service_also_ends_the_process_group_its_child_leads(localstack):
+    """Real processes: a service whose child leads a group of its own (the Triton guard's tritonserver) and has a
+    child of its own (a python-backend stub). Stopping the service ends all three, even the one that ignores
+    SIGTERM."""
+    import subprocess
+    import time
+
+    from helpers.processes import wait_group_gone
+
+    service = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         "subprocess.Popen([sys.executable, '-c', 'import signal, subprocess, sys, time\\n"
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+         "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(600)\"])\\n"
+         "time.sleep(600)'], start_new_session=True)\n"
+         "time.sleep(600)"],
+        start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not localstack.child_groups(service.pid):
+        time.sleep(0.05)
+    (leader,) = localstack.child_groups(service.pid)
+    assert os.getpgid(leader) == leader != service.pid
+    localstack.stop_pid("test-service", service.pid)
+    service.wait(10)
+
+    assert wait_group_gone(leader) == []
