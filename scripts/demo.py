@@ -120,8 +120,8 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
                      f"[{', '.join(metrics.get('ranks') or [])}], ZeRO-{metrics.get('zero_stage')}; all-reduce share "
                      f"in the job {metrics.get('allreduce_share_in_job')}")
         lines.append(f"checkpoint: {train.get('run_dir')}/checkpoints (newest complete: step {metrics.get('step')})")
-        if train.get("mlflow_run_url"):
-            lines.append(f"MLflow run: {train['mlflow_run_url']}")
+        if (train.get("mlflow") or {}).get("url"):
+            lines.append(f"MLflow run: {train['mlflow']['url']}")
     decision = get("evaluation.champion_challenger")
     if decision:
         lines.append(f"evaluation: {decision.get('reason')}")
