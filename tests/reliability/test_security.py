@@ -73,17 +73,23 @@ def string_params(api) -> dict[str, dict]:
     return found
 
 
-def marker_files(slurm) -> tuple[list[str], list[str]]:
+def marker_files() -> tuple[list[str], list[str]]:
+    """Marker files a hostile value would have made here and on the cluster's login node. Each look uses a
+    connection of its own: one held idle through minutes of DAG runs once stalled opening its next channel
+    (paramiko "Timeout opening channel" after 120 s, CI 2026-12-05), which says nothing about the params."""
+    from hybridflow.hooks.slurm import SlurmHook
+
     local = sorted(str(p) for p in Path("/tmp").glob("pwned-*"))
-    remote = slurm.run(["sh", "-c", "ls -d /tmp/pwned-* 2>/dev/null; ls -d ~/pwned-* 2>/dev/null; true"])
+    slurm = SlurmHook()
+    try:
+        remote = slurm.run(["sh", "-c", "ls -d /tmp/pwned-* 2>/dev/null; ls -d ~/pwned-* 2>/dev/null; true"])
+    finally:
+        slurm.close()
     return local, remote.stdout.split()
 
 
 def test_hostile_params_are_refused_or_inert(api, stack):
-    from hybridflow.hooks.slurm import SlurmHook
-
-    slurm = SlurmHook()
-    assert marker_files(slurm) == ([], []), "marker files exist before the test"
+    assert marker_files() == ([], []), "marker files exist before the test"
     dags = string_params(api)
     refused, accepted, created, unpaused = 0, [], [], []
     try:
@@ -117,7 +123,7 @@ def test_hostile_params_are_refused_or_inert(api, stack):
             if all(s in ("success", "failed") for s in states.values()):
                 break
             time.sleep(5)
-        local, remote = marker_files(slurm)
+        local, remote = marker_files()
         print(f"RELIABILITY hostile_params dags={len(dags)} string_params="
               f"{sum(len(i['params']) for i in dags.values())} posts={refused + len(accepted)} "
               f"refused_400={refused} accepted={len(accepted)} executed={len(waited_on)} "

@@ -1,0 +1,128 @@
+"""Judging one step of a progressive release (shadow or a canary share) from what the guard saw of each version on
+the same traffic: the candidate passes only when it answered enough requests, few enough failed, its p99 stays in
+budget, and its scores keep the stable version's distribution (mean shift, and PSI over the stable version's score
+deciles). Pure: the trigger fetches the figures, this decides and says why, with the figure and the threshold.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hybridflow.exceptions import ConfigError
+
+PASS, FAIL, WAIT = "pass", "fail", "wait"
+PSI_FLOOR = 1e-4  # an empty decile would make PSI infinite: count it as this share instead
+
+
+@dataclass(frozen=True)
+class VersionFigures:
+    """One version's answers during a step: requests, failed ones, latencies and the scores it returned."""
+
+    requests: int
+    errors: int
+    latencies_ms: Sequence[float]
+    scores: Sequence[float]
+
+
+@dataclass(frozen=True)
+class StepThresholds:
+    """What a candidate must show in one step (``serving.release`` in the pipeline config)."""
+
+    min_requests: int = 200
+    max_error_rate: float = 0.01
+    max_p99_ms: float = 50.0
+    max_mean_shift: float = 0.05
+    max_psi: float = 0.2
+
+    def validate(self, where: str = "serving.release") -> None:
+        if not isinstance(self.min_requests, int) or isinstance(self.min_requests, bool) or self.min_requests < 1:
+            raise ConfigError(f"{where}.min_requests: {self.min_requests!r}; expected a positive integer")
+        for key, low, high in (("max_error_rate", 0.0, 1.0), ("max_p99_ms", 0.0, math.inf),
+                               ("max_mean_shift", 0.0, 1.0), ("max_psi", 0.0, math.inf)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not low < value <= high \
+                    or math.isnan(value):
+                bound = f"in ({low:g}, {high:g}]" if high != math.inf else f"above {low:g}"
+                raise ConfigError(f"{where}.{key}: {value!r}; expected a number {bound}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: str  # pass, fail or wait (not enough traffic yet)
+    reasons: tuple[str, ...]
+    figures: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def decile_edges(sample: Sequence[float]) -> list[float]:
+    """The 9 inner edges splitting the stable version's scores into tenths."""
+    return [percentile(sample, 10 * k) for k in range(1, 10)]
+
+
+def psi(expected: Sequence[float], actual: Sequence[float], edges: Sequence[float]) -> float:
+    """Population stability index of ``actual`` against ``expected`` over the bins ``edges`` make."""
+    def shares(sample: Sequence[float]) -> list[float]:
+        counts = [0] * (len(edges) + 1)
+        for value in sample:
+            counts[bisect.bisect_right(edges, value)] += 1
+        return [max(count / len(sample), PSI_FLOOR) for count in counts]
+
+    return sum((a - e) * math.log(a / e) for e, a in zip(shares(expected), shares(actual), strict=True))
+
+
+def judge(stable: VersionFigures, candidate: VersionFigures, limits: StepThresholds) -> Verdict:
+    """The step's verdict: ``wait`` until both versions answered ``min_requests``; then ``fail`` naming every figure
+    over its threshold, else ``pass``."""
+    figures: dict[str, Any] = {"requests": candidate.requests, "stable_requests": stable.requests}
+    if candidate.requests < limits.min_requests or stable.requests < limits.min_requests:
+        return Verdict(WAIT, (f"{min(candidate.requests, stable.requests)} of {limits.min_requests} requests "
+                              "needed on each version so far",), figures)
+    reasons = []
+    error_rate = candidate.errors / candidate.requests
+    p99 = percentile(candidate.latencies_ms, 99)
+    figures.update(error_rate=round(error_rate, 6), p99_ms=round(p99, 3),
+                   stable_p99_ms=round(percentile(stable.latencies_ms, 99), 3))
+    if error_rate > limits.max_error_rate:
+        reasons.append(f"error rate {error_rate:.2%} > {limits.max_error_rate:.2%}")
+    if not p99 <= limits.max_p99_ms:
+        reasons.append(f"p99 {p99:.1f} ms > {limits.max_p99_ms:g} ms")
+    finite = [s for s in candidate.scores if math.isfinite(s)]
+    baseline = [s for s in stable.scores if math.isfinite(s)]
+    if len(finite) < len(candidate.scores):
+        reasons.append(f"{len(candidate.scores) - len(finite)} non-finite scores")
+    if finite and baseline:
+        shift = abs(sum(finite) / len(finite) - sum(baseline) / len(baseline))
+        index = psi(baseline, finite, decile_edges(baseline))
+        figures.update(mean_shift=round(shift, 6), psi=round(index, 6))
+        if shift > limits.max_mean_shift:
+            reasons.append(f"mean score shift {shift:.4f} > {limits.max_mean_shift:g}")
+        if index > limits.max_psi:
+            reasons.append(f"PSI {index:.3f} > {limits.max_psi:g} over the stable version's score deciles")
+    elif not finite:
+        reasons.append("no score to compare with the stable version's")
+    return Verdict(FAIL if reasons else PASS, tuple(reasons), figures)
+
+
+def canary_steps(steps: Any, where: str = "serving.release.canary_steps") -> tuple[int, ...]:
+    """Canary shares in percent: increasing whole numbers in (0, 100], ending at 100 (the promotion)."""
+    if not isinstance(steps, list | tuple) or not steps:
+        raise ConfigError(f"{where}: {steps!r}; give increasing percentages ending at 100, e.g. [10, 50, 100]")
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 0 < s <= 100 for s in steps):
+        raise ConfigError(f"{where}: {list(steps)!r}; every step is a whole percentage in 1..100")
+    if list(steps) != sorted(set(steps)) or steps[-1] != 100:
+        raise ConfigError(f"{where}: {list(steps)!r}; steps must increase and end at 100, e.g. [10, 50, 100]")
+    return tuple(steps)

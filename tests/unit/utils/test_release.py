@@ -1,0 +1,124 @@
+"""Judging a release step, by tables: enough traffic, errors, p99, and the score distribution against the stable
+version's (mean shift, PSI over its deciles)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hybridflow.exceptions import ConfigError
+from hybridflow.utils.release import (
+    FAIL,
+    PASS,
+    WAIT,
+    StepThresholds,
+    VersionFigures,
+    canary_steps,
+    decile_edges,
+    judge,
+    percentile,
+    psi,
+)
+
+LIMITS = StepThresholds(min_requests=200, max_error_rate=0.01, max_p99_ms=50, max_mean_shift=0.05, max_psi=0.2)
+
+
+def scores(n: int, mean: float, seed: int, spread: float = 0.1) -> list[float]:
+    draw = random.Random(seed)
+    return [min(1.0, max(0.0, draw.gauss(mean, spread))) for _ in range(n)]
+
+
+def figures(n: int = 1000, errors: int = 0, latency_ms: float = 10.0, mean: float = 0.4, seed: int = 1,
+            tail_ms: float | None = None, extra: list[float] | None = None) -> VersionFigures:
+    latencies = [latency_ms] * n
+    if tail_ms is not None:  # the slowest 2% of requests
+        latencies[: n // 50] = [tail_ms] * (n // 50)
+    return VersionFigures(requests=n, errors=errors, latencies_ms=latencies,
+                          scores=scores(n, mean, seed) + (extra or []))
+
+
+STABLE = figures(seed=1)
+
+
+@pytest.mark.parametrize(("candidate", "outcome", "reasons"), [
+    (figures(seed=2), PASS, []),  # the same model on other requests: same distribution
+    (figures(n=150, seed=2), WAIT, ["150 of 200 requests needed on each version so far"]),
+    (figures(errors=30, seed=2), FAIL, ["error rate 3.00% > 1.00%"]),
+    (figures(errors=10, seed=2), PASS, []),  # 1.00% is within 1%
+    (figures(tail_ms=400, seed=2), FAIL, ["p99 400.0 ms > 50 ms"]),
+    (figures(tail_ms=45, seed=2), PASS, []),
+    (figures(mean=0.55, seed=2), FAIL, ["mean score shift", "PSI"]),
+    (figures(mean=0.42, seed=2), PASS, []),  # a small shift within both limits
+    (figures(seed=2, extra=[math.nan] * 3), FAIL, ["3 non-finite scores"]),
+    (VersionFigures(1000, 0, [10.0] * 1000, []), FAIL, ["no score to compare"]),
+    (figures(errors=500, tail_ms=900, mean=0.9, seed=3), FAIL, ["error rate", "p99", "mean score shift", "PSI"]),
+])
+def test_a_step_passes_waits_or_fails_naming_the_figure_and_its_threshold(candidate, outcome, reasons):
+    verdict = judge(STABLE, candidate, LIMITS)
+    assert verdict.outcome == outcome, verdict
+    assert len(verdict.reasons) == len(reasons), verdict.reasons
+    for reason, expected in zip(verdict.reasons, reasons, strict=True):
+        assert reason.startswith(expected), verdict.reasons
+
+
+def test_a_stable_version_without_traffic_keeps_the_step_waiting():
+    verdict = judge(figures(n=10), figures(seed=2), LIMITS)
+    assert verdict.outcome == WAIT and verdict.figures == {"requests": 1000, "stable_requests": 10}
+
+
+def test_psi_is_zero_for_one_distribution_and_grows_with_the_shift():
+    base = scores(5000, 0.4, 1)
+    edges = decile_edges(base)
+    assert psi(base, base, edges) == pytest.approx(0, abs=1e-9)
+    shifts = [psi(base, scores(5000, 0.4 + d, 2), edges) for d in (0.0, 0.02, 0.05, 0.1)]
+    assert shifts == sorted(shifts) and shifts[0] < 0.02 and shifts[-1] > 0.5
+    # every score in one decile: empty bins count as a small share, not an infinite index
+    assert math.isfinite(psi(base, [0.0] * 100, edges))
+
+
+@pytest.mark.parametrize(("values", "q", "expected"), [
+    ([], 99, math.nan), ([5.0], 99, 5.0), (list(range(1, 101)), 99, 99), (list(range(1, 101)), 100, 100),
+    ([3.0, 1.0, 2.0], 50, 2.0), (list(range(1, 11)), 10, 1),
+])
+def test_percentile_by_nearest_rank(values, q, expected):
+    found = percentile(values, q)
+    assert (math.isnan(found) and math.isnan(expected)) or found == expected
+
+
+@pytest.mark.parametrize(("steps", "expected"), [
+    ([10, 50, 100], (10, 50, 100)), ([100], (100,)), ((1, 100), (1, 100)),
+])
+def test_canary_steps_increase_to_100(steps, expected):
+    assert canary_steps(steps) == expected
+
+
+@pytest.mark.parametrize(("steps", "message"), [
+    ([], "give increasing percentages ending at 100"), (None, "give increasing percentages"),
+    ("10,50,100", "give increasing percentages"), ([10, 50], "must increase and end at 100"),
+    ([50, 10, 100], "must increase and end at 100"), ([10, 10, 100], "must increase and end at 100"),
+    ([0, 100], "every step is a whole percentage in 1..100"), ([10, 101], "every step is a whole percentage"),
+    ([10.5, 100], "every step is a whole percentage"), ([True, 100], "every step is a whole percentage"),
+    ([-5, 100], "every step is a whole percentage"), (["10", 100], "every step is a whole percentage"),
+])
+def test_bad_canary_steps_are_refused_naming_the_field_and_the_fix(steps, message):
+    with pytest.raises(ConfigError, match=r"^serving\.release\.canary_steps: ") as refused:
+        canary_steps(steps)
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("min_requests", 0, "serving.release.min_requests: 0; expected a positive integer"),
+    ("min_requests", 2.5, "min_requests: 2.5; expected a positive integer"),
+    ("min_requests", True, "min_requests: True; expected a positive integer"),
+    ("max_error_rate", 0, "max_error_rate: 0; expected a number in (0, 1]"),
+    ("max_error_rate", 1.5, "max_error_rate: 1.5; expected a number in (0, 1]"),
+    ("max_p99_ms", -1, "max_p99_ms: -1; expected a number above 0"),
+    ("max_p99_ms", math.nan, "max_p99_ms: nan; expected a number above 0"),
+    ("max_psi", "0.2", "max_psi: '0.2'; expected a number above 0"),
+    ("max_mean_shift", None, "max_mean_shift: None; expected a number in (0, 1]"),
+])
+def test_bad_thresholds_are_refused_naming_the_field(field, value, message):
+    with pytest.raises(ConfigError) as refused:
+        StepThresholds(**{field: value}).validate()
+    assert message in str(refused.value)
