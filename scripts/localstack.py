@@ -970,7 +970,9 @@ def start_triton() -> int:
         f"--backend-config=python,shm-region-prefix-name=hybridflow{STACK['triton_http_port']}",
     ]
     guard = [str(SERVING_VENV / "bin/python"), "-m", "tritonguard",
-             f"--listen=127.0.0.1:{STACK['triton_http_port']}", f"--upstream=http://127.0.0.1:{upstream}"]
+             f"--listen=127.0.0.1:{STACK['triton_http_port']}", f"--upstream=http://127.0.0.1:{upstream}",
+             f"--admin-listen=127.0.0.1:{STACK['triton_guard_admin_port']}",
+             f"--state-file={P.triton / 'releases.json'}"]
     env = dict(triton_env(), PYTHONPATH=str(REPO / "jobs"))
     return spawn([*guard, "--", *server], P.logs / "triton.log", env=env)
 

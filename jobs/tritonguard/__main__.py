@@ -10,8 +10,10 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from .checks import Limits
+from .release import ReleaseBook
 from .server import Guard, serve
 
 
@@ -34,11 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-request-bytes", type=int, default=128 << 20)
     parser.add_argument("--max-input-bytes", type=int, default=64 << 20)
     parser.add_argument("--upstream-wait-s", type=float, default=30.0)
+    parser.add_argument("--admin-listen", type=parse_listen, help="HOST:PORT of /metrics and the release API "
+                        "(for the deploy operator and Prometheus only, never clients)")
+    parser.add_argument("--state-file", type=Path, help="where releases are kept across restarts")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tritonguard %(levelname)s %(message)s")
     guard = Guard(args.upstream.rstrip("/"), Limits(max_input_bytes=args.max_input_bytes),
-                  upstream_wait_s=args.upstream_wait_s)
-    asyncio.run(serve(guard, *args.listen, args.max_request_bytes, supervise))
+                  upstream_wait_s=args.upstream_wait_s, releases=ReleaseBook(args.state_file))
+    asyncio.run(serve(guard, *args.listen, args.max_request_bytes, supervise, admin=args.admin_listen))
     return 0
 
 

@@ -22,11 +22,14 @@ MAX_INPUTS = 64
 
 
 class RequestRefused(Exception):
-    """A request the guard answers itself: HTTP ``status`` with ``message`` as Triton's ``{"error": ...}``."""
+    """A request the guard answers itself: HTTP ``status`` with ``message`` as Triton's ``{"error": ...}``.
+    ``reason``: the class of fault, a label of the refusals metric (malformed, size, shape, dtype, batch,
+    non_finite, closed)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, reason: str = "malformed"):
         super().__init__(message)
         self.status = status
+        self.reason = "size" if status == 413 else reason
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,10 @@ def check_shape(name: str, shape, datatype: str, limits: Limits) -> int:
         raise RequestRefused(f"input {name!r}: 'shape' must be a list of 1 to {MAX_RANK} dimensions")
     if not all(is_int(d) and 0 <= d <= limits.max_dim for d in shape):
         raise RequestRefused(f"input {name!r}: every dimension of 'shape' must be an integer from 0 to "
-                             f"{limits.max_dim}; got {shape}")
+                             f"{limits.max_dim}; got {shape}", reason="shape")
     count = math.prod(shape)
     if count == 0:
-        raise RequestRefused(f"input {name!r}: shape {shape} holds no rows; send at least one")
+        raise RequestRefused(f"input {name!r}: shape {shape} holds no rows; send at least one", reason="shape")
     declared = count * (DTYPE_SIZE[datatype] or 1)
     if declared > limits.max_input_bytes:
         raise RequestRefused(f"input {name!r}: shape {shape} declares {declared} bytes, over the limit of "
@@ -113,19 +116,19 @@ def check_shape(name: str, shape, datatype: str, limits: Limits) -> int:
 def check_against_model(name: str, datatype: str, shape: list[int], model: ModelSpec) -> None:
     spec = model.inputs.get(name)
     if spec is None:
-        raise RequestRefused(f"unknown input {name!r}; the model takes {sorted(model.inputs)}")
+        raise RequestRefused(f"unknown input {name!r}; the model takes {sorted(model.inputs)}", reason="shape")
     if datatype != spec.datatype:
-        raise RequestRefused(f"input {name!r} is {spec.datatype}, not {datatype}")
+        raise RequestRefused(f"input {name!r} is {spec.datatype}, not {datatype}", reason="dtype")
     dims = shape
     if model.max_batch_size > 0:
         if shape[0] > model.max_batch_size:
             raise RequestRefused(f"input {name!r}: batch of {shape[0]} rows is over the model's max_batch_size "
-                                 f"{model.max_batch_size}; split it")
+                                 f"{model.max_batch_size}; split it", reason="batch")
         dims = shape[1:]
     if len(dims) != len(spec.dims) or any(want not in (-1, got) for want, got in zip(spec.dims, dims, strict=True)):
         batch = "[batch, " if model.max_batch_size > 0 else "["
         raise RequestRefused(f"input {name!r}: shape {shape} does not fit the model's {batch}"
-                             f"{', '.join(map(str, spec.dims))}]")
+                             f"{', '.join(map(str, spec.dims))}]", reason="shape")
 
 
 def flat_values(name: str, data, count: int) -> list:
@@ -141,11 +144,13 @@ def flat_values(name: str, data, count: int) -> list:
                 break
             flat.append(item)
             if len(flat) > count:
-                raise RequestRefused(f"input {name!r}: 'data' holds more than the {count} values its shape declares")
+                raise RequestRefused(f"input {name!r}: 'data' holds more than the {count} values its shape declares",
+                                     reason="shape")
         else:
             stack.pop()
     if len(flat) != count:
-        raise RequestRefused(f"input {name!r}: 'data' holds {len(flat)} values; its shape declares {count}")
+        raise RequestRefused(f"input {name!r}: 'data' holds {len(flat)} values; its shape declares {count}",
+                             reason="shape")
     return flat
 
 
@@ -161,11 +166,11 @@ def check_json_values(name: str, datatype: str, values: list) -> None:
         low, high = (0, 2**bits - 1) if datatype.startswith("U") else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
         ok = all(is_int(v) and low <= v <= high for v in values)
     if not ok:
-        raise RequestRefused(f"input {name!r}: 'data' holds values that are not {datatype}")
+        raise RequestRefused(f"input {name!r}: 'data' holds values that are not {datatype}", reason="dtype")
     if datatype in FLOAT_DTYPES:
         for i, v in enumerate(values):
             if not math.isfinite(v):
-                raise RequestRefused(non_finite_message(name, i))
+                raise RequestRefused(non_finite_message(name, i), reason="non_finite")
 
 
 def non_finite_message(name: str, flat_index: int) -> str:
@@ -189,7 +194,8 @@ def check_request(request: dict, tail: bytes, model: ModelSpec | None, limits: L
             raise RequestRefused(f"input {name!r} is given twice")
         seen.add(name)
         if datatype not in DTYPE_SIZE:
-            raise RequestRefused(f"input {name!r}: 'datatype' must be one of {', '.join(DTYPE_SIZE)}")
+            raise RequestRefused(f"input {name!r}: 'datatype' must be one of {', '.join(DTYPE_SIZE)}",
+                                 reason="dtype")
         count = check_shape(name, item.get("shape"), datatype, limits)
         if model is not None:
             check_against_model(name, datatype, item["shape"], model)
@@ -201,7 +207,7 @@ def check_request(request: dict, tail: bytes, model: ModelSpec | None, limits: L
             expected = count * DTYPE_SIZE[datatype] if DTYPE_SIZE[datatype] else None
             if not is_int(size) or size < 0 or (expected is not None and size != expected):
                 raise RequestRefused(f"input {name!r}: binary_data_size {size!r} disagrees with shape "
-                                     f"{item['shape']} of {datatype} ({expected} bytes)")
+                                     f"{item['shape']} of {datatype} ({expected} bytes)", reason="shape")
             if "data" in item:
                 raise RequestRefused(f"input {name!r} has both 'data' and binary_data_size; send one")
             binary.append(BinaryInput(name, datatype, offset, size))
@@ -213,8 +219,8 @@ def check_request(request: dict, tail: bytes, model: ModelSpec | None, limits: L
     if model is not None:
         missing = sorted(n for n, spec in model.inputs.items() if not spec.optional and n not in seen)
         if missing:
-            raise RequestRefused(f"the model needs input(s) {missing}")
+            raise RequestRefused(f"the model needs input(s) {missing}", reason="shape")
     if offset != len(tail):
         raise RequestRefused(f"the binary part holds {len(tail)} bytes; the inputs' binary_data_size add up to "
-                             f"{offset}")
+                             f"{offset}", reason="shape")
     return binary

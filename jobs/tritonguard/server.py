@@ -4,11 +4,17 @@ Infer requests are checked (``checks``) and refused with a 4xx before Triton see
 of the suite uses (health, metadata, config, statistics, the repository API) passes through unchanged. Routes the
 suite never uses and a stranger should not reach (shared-memory registration, trace and log settings, generate)
 answer 403. While Triton restarts, a request waits for it up to ``upstream_wait_s`` instead of failing at once.
+
+A request that names no version goes where the model's release says (``release``: stable, shadow or canary),
+and what each version answered is recorded for the release's judge. The admin port serves ``/metrics``
+(Prometheus) and the release API, ``/v1/releases/<model>`` (GET, PUT, DELETE) and ``.../figures``; it is for the
+deploy operator and Prometheus, never for clients: bind it where only they reach it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -31,6 +37,8 @@ from .checks import (
     non_finite_message,
     split_body,
 )
+from .metrics import GuardMetrics
+from .release import SHADOW, STABLE, ReleaseBook, release_from_request, route, scores_from_response
 
 log = logging.getLogger("tritonguard")
 
@@ -42,6 +50,8 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
               "transfer-encoding", "upgrade", "host", "content-length"}
 NUMPY_FLOAT = {"FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
 SPEC_TTL_S = 2.0
+MAX_CACHED_SPECS = 4096  # model names come from clients: a flood of made-up ones must not grow memory
+MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 def first_non_finite(tail: bytes, item: BinaryInput) -> int | None:
@@ -72,6 +82,10 @@ class Guard:
     specs: dict = field(default_factory=dict)  # (model, version) -> (fetched_at, ModelSpec | None)
     session: aiohttp.ClientSession | None = None
     stopping: bool = False
+    releases: ReleaseBook = field(default_factory=ReleaseBook)
+    metrics: GuardMetrics = field(default_factory=GuardMetrics)
+    shadows: set = field(default_factory=set)  # shadow copies in flight
+    max_shadows: int = 64
 
     async def start(self, app: web.Application) -> None:
         # No decompression: bodies pass through byte for byte, Content-Encoding included.
@@ -97,11 +111,19 @@ class Guard:
                     spec = ModelSpec.from_config(await resp.json(content_type=None))
         except (aiohttp.ClientError, ValueError, KeyError, TypeError):
             spec = None  # an unknown model or a server restarting: Triton's own answer follows
+        if len(self.specs) >= MAX_CACHED_SPECS:
+            self.specs.clear()
         self.specs[key] = (time.monotonic(), spec)
         return spec
 
-    def refuse(self, request: web.Request, exc: RequestRefused) -> web.Response:
+    def model_label(self, model: str | None) -> str:
+        """``model`` for a model the server knows, else ``unknown``: metric labels stay bounded."""
+        cached = self.specs.get((model, None))
+        return model if cached and cached[1] is not None else "unknown"
+
+    def refuse(self, request: web.Request, exc: RequestRefused, model: str | None = None) -> web.Response:
         self.counters.refused += 1
+        self.metrics.refused(self.model_label(model), "http", exc.reason)
         now = time.monotonic()
         if now - self.counters.last_refusal_log >= 1.0:  # a flood of bad requests must not flood the log
             more = f" (+{self.counters.unlogged} more refused since the last line)" if self.counters.unlogged else ""
@@ -120,12 +142,13 @@ class Guard:
             if item.datatype in FLOAT_DTYPES:
                 bad = first_non_finite(tail, item)
                 if bad is not None:
-                    raise RequestRefused(non_finite_message(item.name, bad))
+                    raise RequestRefused(non_finite_message(item.name, bad), reason="non_finite")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         if CLOSED.fullmatch(path):
-            return self.refuse(request, RequestRefused(f"{path} is not served on this port", status=403))
+            return self.refuse(request, RequestRefused(f"{path} is not served on this port", status=403,
+                                                       reason="closed"))
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -133,18 +156,78 @@ class Guard:
                 f"the request is over {request.app['max_request_bytes']} bytes; split the batch", status=413))
         infer = INFER.fullmatch(path)
         if infer and request.method == "POST":
+            model, version = infer.group(1), infer.group(2)
             try:
-                await self.check_infer(request, body, infer.group(1), infer.group(2))
+                await self.check_infer(request, body, model, version)
             except RequestRefused as exc:
-                return self.refuse(request, exc)
+                return self.refuse(request, exc, model)
+            return await self.infer(request, body, model, int(version) if version else None)
         return await self.forward(request, body)
 
-    async def forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
+    async def infer(self, request: web.Request, body: bytes, model: str, requested: int | None) -> web.Response:
+        """Forward a checked infer request to the version the release routes it to; record what it answered."""
+        release = self.releases.get(model)
+        target = route(release, requested) if release else None
+        url = request.rel_url
+        if target is not None and requested is None:
+            url = url.with_path(f"/v2/models/{model}/versions/{target.version}/infer")
+        started = time.perf_counter()
+        response = await self.forward(request, body, url)
+        elapsed = time.perf_counter() - started
+        failed = response.status >= 400
+        label = self.model_label(model)
+        answered = target.version if target else requested
+        version = "unknown" if label == "unknown" else str(answered) if answered is not None else "default"
+        self.metrics.observe(label, version, "http", elapsed, failed)
+        if release is not None and release.mode != STABLE and requested is None:
+            scores = None if failed else scores_from_response(
+                response.body, response.headers.get("Inference-Header-Content-Length"),
+                response.headers.get("Content-Encoding"))
+            self.releases.record(model, target.version, elapsed * 1000, scores, failed)
+            if target.shadow is not None:
+                self.spawn_shadow(request, body, model, target.shadow)
+        return response
+
+    def spawn_shadow(self, request: web.Request, body: bytes, model: str, version: int) -> None:
+        if len(self.shadows) >= self.max_shadows:  # the candidate is slower than traffic: drop, never queue
+            self.metrics.shadow_dropped.labels(self.model_label(model)).inc()
+            return
+        task = asyncio.create_task(self.shadow_copy(request, body, model, version))
+        self.shadows.add(task)
+        task.add_done_callback(self.shadows.discard)
+
+    async def shadow_copy(self, request: web.Request, body: bytes, model: str, version: int) -> None:
+        """The request again, to the candidate: its answer is recorded and dropped, never returned."""
+        url = request.rel_url.with_path(f"/v2/models/{model}/versions/{version}/infer")
+        started = time.perf_counter()
+        try:
+            async with self.session.post(url, headers=self.forward_headers(request), data=body) as resp:
+                payload, status = await resp.read(), resp.status
+                header_length = resp.headers.get("Inference-Header-Content-Length")
+                encoding = resp.headers.get("Content-Encoding")
+        except aiohttp.ClientError:
+            payload, status, header_length, encoding = b"", 599, None, None
+        elapsed = time.perf_counter() - started
+        failed = status >= 400
+        self.metrics.observe(self.model_label(model), str(version), "shadow", elapsed, failed)
+        self.releases.record(model, version, elapsed * 1000,
+                             None if failed else scores_from_response(payload, header_length, encoding), failed)
+
+    @staticmethod
+    def forward_headers(request: web.Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        # aiohttp would ask for gzip on the client's behalf: Triton would compress what the client never asked
+        # to be (CPU on both sides, for loopback bytes).
+        if "accept-encoding" not in map(str.lower, headers):
+            headers["Accept-Encoding"] = "identity"
+        return headers
+
+    async def forward(self, request: web.Request, body: bytes, url=None) -> web.Response:
+        headers = self.forward_headers(request)
         deadline = time.monotonic() + self.upstream_wait_s
         while True:
             try:
-                async with self.session.request(request.method, request.rel_url, headers=headers, data=body,
+                async with self.session.request(request.method, url or request.rel_url, headers=headers, data=body,
                                                 allow_redirects=False) as resp:
                     payload = await resp.read()
                     self.counters.forwarded += 1
@@ -155,10 +238,64 @@ class Guard:
                 # cut off mid-answer is sent again: infer and the repository calls are idempotent.
                 if time.monotonic() >= deadline or self.stopping:
                     self.counters.upstream_down += 1
+                    self.metrics.upstream_down.inc()
                     return web.json_response(
                         {"error": f"Triton is not reachable ({type(exc).__name__}); it is restarting, retry"},
                         status=503, headers={"Retry-After": "1"})
                 await asyncio.sleep(0.1)
+
+
+    # ------------------------------------------------------------------ the admin port: metrics and releases
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def list_releases(self, request: web.Request) -> web.Response:
+        return web.json_response({model: self.releases.describe(model) for model in sorted(self.releases.releases)})
+
+    async def release_endpoint(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if not MODEL_NAME.fullmatch(model):
+            return web.json_response({"error": f"model name {model[:80]!r}: use 1-128 letters, digits, '_', '.', "
+                                               "'-'"}, status=400)
+        if request.method == "GET":
+            described = self.releases.describe(model)
+            return web.json_response(described) if described else self.no_release(model)
+        if request.method == "DELETE":
+            if not self.releases.clear(model):
+                return self.no_release(model)
+            self.metrics.cleared(model)
+            log.info("release of %s cleared: requests without a version go to the server's default", model)
+            return web.json_response({"model": model, "cleared": True})
+        if request.method != "PUT":
+            return web.json_response({"error": "use GET, PUT or DELETE"}, status=405)
+        try:
+            release = release_from_request(model, json.loads(await request.read()))
+        except ValueError as exc:  # JSONDecodeError included
+            return web.json_response({"error": f"release of {model}: {exc}"}, status=400)
+        generation = self.releases.set(release)
+        stable_share = 100 - release.share if release.mode not in (STABLE, SHADOW) else 100
+        self.metrics.released(model, release.stable, release.candidate, stable_share)
+        log.info("release of %s: %s, stable version %s, candidate %s, candidate share %s%% (generation %d)", model,
+                 release.mode, release.stable, release.candidate, 100 - stable_share, generation)
+        return web.json_response(self.releases.describe(model))
+
+    async def release_figures(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        figures = self.releases.figures(model) if MODEL_NAME.fullmatch(model) else None
+        return web.json_response(figures) if figures else self.no_release(model)
+
+    @staticmethod
+    def no_release(model: str) -> web.Response:
+        return web.json_response({"error": f"no release of {model[:80]!r} is set on this guard"}, status=404)
+
+
+def make_admin_app(guard: Guard) -> web.Application:
+    app = web.Application(client_max_size=1 << 16)
+    app.router.add_get("/metrics", guard.metrics_page)
+    app.router.add_get("/v1/releases", guard.list_releases)
+    app.router.add_route("*", "/v1/releases/{model}", guard.release_endpoint)
+    app.router.add_get("/v1/releases/{model}/figures", guard.release_figures)
+    return app
 
 
 def make_app(guard: Guard, max_request_bytes: int) -> web.Application:
@@ -241,7 +378,8 @@ async def upstream_live(guard: Guard) -> None:
         await asyncio.sleep(0.2)
 
 
-async def serve(guard: Guard, host: str, port: int, max_request_bytes: int, supervise: list[str]) -> None:
+async def serve(guard: Guard, host: str, port: int, max_request_bytes: int, supervise: list[str],
+                admin: tuple[str, int] | None = None) -> None:
     # Bound at once (a second guard started by mistake fails here, before it starts a second tritonserver) but
     # listening only once the server is ready: until then a client is refused, as by a server still starting,
     # not held and then answered 503.
@@ -251,6 +389,11 @@ async def serve(guard: Guard, host: str, port: int, max_request_bytes: int, supe
     # A stop must not wait on clients holding keep-alive connections or requests waiting for the server.
     runner = web.AppRunner(make_app(guard, max_request_bytes), access_log=None, shutdown_timeout=2.0)
     await runner.setup()
+    admin_runner = web.AppRunner(make_admin_app(guard), access_log=None, shutdown_timeout=1.0)
+    await admin_runner.setup()
+    if admin:  # at once: metrics and the release API answer while the server starts too
+        await web.TCPSite(admin_runner, *admin).start()
+        log.info("metrics and releases on http://%s:%d", *admin)
     supervisor = Supervisor(supervise) if supervise else None
     tasks = [asyncio.create_task(supervisor.run())] if supervisor else []
     stop = asyncio.Event()
@@ -267,7 +410,7 @@ async def serve(guard: Guard, host: str, port: int, max_request_bytes: int, supe
     log.info("stopping")
     guard.stopping = True
     stopped = [supervisor.stop()] if supervisor else []
-    await asyncio.gather(runner.cleanup(), *stopped)
+    await asyncio.gather(runner.cleanup(), admin_runner.cleanup(), *stopped)
     for task in tasks:
         task.cancel()
     sock.close()

@@ -181,6 +181,60 @@ class CostConfig:
                 raise ConfigError(f"{where}.{key}: {value}; a price cannot be negative")
 
 
+RELEASE_STRATEGIES = ("progressive", "direct")
+NO_TRAFFIC_POLICIES = ("wait", "promote", "fail")
+
+
+@dataclass(frozen=True)
+class ReleaseConfig:
+    """How a new version meets real traffic once it passed the smoke set and the latency gate.
+
+    ``progressive``: the guard copies unversioned requests to it (shadow, ``shadow_s``; 0 skips it), then sends it
+    each ``canary_steps`` share in turn; every step lasts at least ``step_min_s`` and is judged on ``min_requests``
+    per version (error rate, p99, mean score shift and PSI against the stable version on the same traffic); the
+    last step, 100, is the promotion. ``direct``: promote after the gates (no real traffic first).
+    ``no_traffic``: when a step sees too few requests within ``step_timeout_s``: ``fail`` (roll back),
+    ``promote`` (on the gates alone, said in the log and the report) or ``wait`` (no time limit but the task's).
+    """
+
+    strategy: str = "progressive"
+    shadow_s: float = 60.0
+    canary_steps: tuple[int, ...] = (10, 50, 100)
+    step_min_s: float = 60.0
+    step_timeout_s: float = 900.0
+    no_traffic: str = "fail"
+    min_requests: int = 200
+    max_error_rate: float = 0.01
+    max_p99_ms: float = 50.0
+    max_mean_shift: float = 0.05
+    max_psi: float = 0.2
+
+    def thresholds(self):
+        from hybridflow.utils.release import StepThresholds
+
+        return StepThresholds(min_requests=self.min_requests, max_error_rate=self.max_error_rate,
+                              max_p99_ms=self.max_p99_ms, max_mean_shift=self.max_mean_shift, max_psi=self.max_psi)
+
+    def validate(self, where: str) -> None:
+        from hybridflow.utils.release import canary_steps
+
+        if self.strategy not in RELEASE_STRATEGIES:
+            raise ConfigError(f"{where}.strategy: {self.strategy!r}; choose {' or '.join(RELEASE_STRATEGIES)}")
+        if self.no_traffic not in NO_TRAFFIC_POLICIES:
+            raise ConfigError(f"{where}.no_traffic: {self.no_traffic!r}; choose one of "
+                              f"{', '.join(NO_TRAFFIC_POLICIES)}")
+        canary_steps(self.canary_steps, f"{where}.canary_steps")
+        for key in ("shadow_s", "step_min_s", "step_timeout_s"):
+            value = getattr(self, key)
+            if not 0 <= value < math.inf or (key == "step_timeout_s" and value <= 0):
+                raise ConfigError(f"{where}.{key}: {value}; expected seconds "
+                                  f"{'> 0' if key == 'step_timeout_s' else '>= 0'}")
+        if self.step_min_s > self.step_timeout_s:
+            raise ConfigError(f"{where}.step_min_s: {self.step_min_s} is over step_timeout_s {self.step_timeout_s}; "
+                              "a step could never pass")
+        self.thresholds().validate(where)
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """The realtime model on Triton and the gate a new version passes before it is promoted."""
@@ -197,6 +251,7 @@ class ServingConfig:
     gate_concurrency: int = 4
     gate_requests: int = 400
     readiness_timeout_s: float = 300.0
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
 
     def validate(self, where: str) -> None:
         from hybridflow.utils.triton import BACKENDS, MODEL_NAME_RE, Repository
@@ -402,6 +457,11 @@ def build(cls: type, data: Any, where: str):
             continue
         if get_origin(expected) is Mapping:
             values[f.name] = _build_keyed(get_args(expected)[1], value, key)
+            continue
+        if get_origin(expected) is tuple:  # a YAML list; the dataclass's validate checks its items
+            if not isinstance(value, list | tuple):
+                raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+            values[f.name] = tuple(value)
             continue
         if isinstance(value, str) and ENV_REF.search(value):
             value = from_environment(expand_env(value, key), expected)

@@ -28,17 +28,28 @@ def tiny_model(seed: int, n_features: int = N_FEATURES) -> torch.jit.ScriptModul
     return torch.jit.script(torch.nn.Sequential(torch.nn.Linear(n_features, 1), torch.nn.Sigmoid()).eval())
 
 
-def make_export(directory: Path, seed: int, kind: str = "good") -> Path:
+def make_export(directory: Path, seed: int, kind: str = "good", variant: int = 0) -> Path:
     """An export dir as jobs/hybridtrain/export.py writes it. ``wrong``: model.pt is another model than the one
-    the smoke outputs came from; ``broken``: model.pt is not a TorchScript archive (the server fails to load it)."""
+    the smoke outputs came from; ``broken``: model.pt is not a TorchScript archive (the server fails to load it);
+    ``close``: the seed's model retrained a little (weights within 0.01: the same score distribution, another
+    file; each ``variant`` another retraining); ``shifted``: the seed's model with its bias raised by 1.5 (its scores drift up, its smoke set is its
+    own, so only real traffic against the serving version tells)."""
     import torch
 
     directory.mkdir(parents=True)
     model = tiny_model(seed)
+    if kind in ("close", "shifted"):
+        with torch.no_grad():
+            linear = model[0]
+            if kind == "close":
+                noise = torch.Generator().manual_seed(seed * 1000 + variant + 7)
+                linear.weight.add_(0.01 * (torch.rand(linear.weight.shape, generator=noise) - 0.5))
+            else:
+                linear.bias.add_(1.5)
     inputs = np.random.default_rng(seed).normal(size=(16, N_FEATURES)).astype(np.float32)
     with torch.inference_mode():
         outputs = model(torch.from_numpy(inputs)).numpy()
-    if kind == "good":
+    if kind in ("good", "close", "shifted"):
         model.save(str(directory / "model.pt"))
     elif kind == "wrong":
         tiny_model(seed + 1000).save(str(directory / "model.pt"))
@@ -55,9 +66,32 @@ def make_export(directory: Path, seed: int, kind: str = "good") -> Path:
     return directory
 
 
+def publish_slow_version(repository: str, model: str, export_dir: Path, sleep_ms: float) -> int:
+    """Publish ``export_dir`` as the next version of ``model`` with a python-backend model.py that sleeps
+    ``sleep_ms`` per batch (a slow candidate: same answers, late). A deploy of the same export reuses this version
+    (same sha256 of model.pt) and so serves the sleeping model.py."""
+    from hybridflow.hooks.model_repository import LocalModelRepository
+    from hybridflow.utils.triton import PYTHON_BACKEND_FILE, Repository, VersionRecord, next_version, read_export
+
+    repo = LocalModelRepository(Repository.parse(repository))
+    bundle = read_export(export_dir)
+    files = bundle.version_files()
+    source = files[PYTHON_BACKEND_FILE].decode()
+    hook = "    def execute(self, requests):\n"
+    assert hook in source, "the python backend's execute() moved: update publish_slow_version"
+    files[PYTHON_BACKEND_FILE] = source.replace(
+        hook, f"{hook}        __import__('time').sleep({sleep_ms / 1000!r})\n").encode()
+    version = next_version(repo.versions(model))
+    repo.publish_version(model, version, files, VersionRecord(
+        version=version, sha256=bundle.sha256, n_features=bundle.signature.n_features, source=str(export_dir),
+        published_at="2026-12-05T00:00:00+00:00"))
+    return version
+
+
 DEPLOY_DAG = textwrap.dedent('''
     from datetime import datetime
     from airflow.sdk import DAG
+    from hybridflow.config import ReleaseConfig
     from hybridflow.operators.triton import TritonDeployOperator
 
     with DAG("{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
@@ -66,20 +100,23 @@ DEPLOY_DAG = textwrap.dedent('''
             export_dir="{export_dir}",
             model_name="{model}",
             repository="{repository}",
-            slo_p99_ms=50,
+            slo_p99_ms={slo_p99_ms},
             concurrency=4,
             gate_requests={gate_requests},
             readiness_timeout_s={readiness_timeout_s},
+            release=ReleaseConfig(**{release!r}),
             retries=0,
         )
 ''')
 
 
 def deploy_dag(dag_id: str, export_dir: Path, model: str, repository: str, gate_requests: int = 200,
-               readiness_timeout_s: float = 120) -> str:
-    """The source of DAG ``dag_id``: one TritonDeployOperator task ``deploy`` of ``export_dir`` as ``model``."""
+               readiness_timeout_s: float = 120, slo_p99_ms: float = 50, release: dict | None = None) -> str:
+    """The source of DAG ``dag_id``: one TritonDeployOperator task ``deploy`` of ``export_dir`` as ``model``;
+    ``release``: :class:`~hybridflow.config.ReleaseConfig`'s fields (default: direct, promoted after the gates)."""
     return DEPLOY_DAG.format(dag_id=dag_id, export_dir=export_dir, model=model, repository=repository,
-                             gate_requests=gate_requests, readiness_timeout_s=readiness_timeout_s)
+                             gate_requests=gate_requests, readiness_timeout_s=readiness_timeout_s,
+                             slo_p99_ms=slo_p99_ms, release=release or {"strategy": "direct"})
 
 
 # A client that keeps asking for the model (no version: what the server serves), in its own process. A request
@@ -97,10 +134,11 @@ CLIENT_LOOP = textwrap.dedent('''
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     client = triton_http.InferenceServerClient(url, network_timeout=network_timeout)
-    batch = np.ones((1, n_features), np.float32)
+    rows = np.random.default_rng(0)
     events = []
     while not stop:
         started, tries = time.time(), 0
+        batch = rows.normal(size=(1, n_features)).astype(np.float32)  # varied rows: score distributions compare
         while True:
             tries += 1
             data = triton_http.InferInput("INPUT__0", list(batch.shape), "FP32")
@@ -160,6 +198,7 @@ def remove_model(repository: str, model: str) -> None:
 
     hook = TritonHook("triton_default")
     try:
+        hook.clear_release(model)
         hook.unload_model(model)
     finally:
         hook.close()

@@ -95,6 +95,24 @@ def mutate(path: str, value):
         ("reconciler", KeyError, "pipeline.reconciler: missing"),
         ("nightly.device", "tpu", "pipeline.nightly.device: 'tpu'; choose one of auto, gpu, cpu"),
         ("nightly.device", True, "pipeline.nightly.device: expected str, got bool"),
+        ("serving.release.strategy", "blue-green", "pipeline.serving.release.strategy: 'blue-green'; choose "
+                                                   "progressive or direct"),
+        ("serving.release.canary_steps", [50, 10, 100], "canary_steps: [50, 10, 100]; steps must increase and end "
+                                                        "at 100"),
+        ("serving.release.canary_steps", [10, 50], "steps must increase and end at 100"),
+        ("serving.release.canary_steps", [0, 100], "every step is a whole percentage in 1..100"),
+        ("serving.release.canary_steps", [10.5, 100], "every step is a whole percentage in 1..100"),
+        ("serving.release.canary_steps", [], "give increasing percentages ending at 100"),
+        ("serving.release.canary_steps", "10,50,100", "serving.release.canary_steps: expected a list, got str"),
+        ("serving.release.no_traffic", "ignore", "serving.release.no_traffic: 'ignore'; choose one of wait, promote"),
+        ("serving.release.shadow_s", -1, "serving.release.shadow_s: -1.0; expected seconds >= 0"),
+        ("serving.release.step_timeout_s", 0, "serving.release.step_timeout_s: 0.0; expected seconds > 0"),
+        ("serving.release.step_min_s", 60, "step_min_s: 60.0 is over step_timeout_s 20.0; a step could never pass"),
+        ("serving.release.min_requests", 0, "serving.release.min_requests: 0; expected a positive integer"),
+        ("serving.release.max_psi", 0, "serving.release.max_psi: 0.0; expected a number above 0"),
+        ("serving.release.max_error_rate", 2, "serving.release.max_error_rate: 2.0; expected a number in (0, 1]"),
+        ("serving.release.max_p99_ms", "fast", "serving.release.max_p99_ms: expected float, got str 'fast'"),
+        ("serving.release.canary", 10, "pipeline.serving.release: unknown key(s) canary"),
     ],
 )
 def test_config_mistakes_name_file_key_and_type(tmp_path, path, value, message):

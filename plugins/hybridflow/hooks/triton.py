@@ -48,7 +48,8 @@ class TritonHook(BaseHook):
 
     The connection's host/port are the HTTP endpoint; extra ``grpc_port`` names the gRPC one, extra
     ``protocol`` (``http`` or ``grpc``) picks the client, extra ``headers`` are sent with every call, and the
-    password, when set, is sent as a bearer token.
+    password, when set, is sent as a bearer token. Extra ``guard_port`` names the guard's admin port (its
+    ``/metrics`` and the release API that splits unversioned traffic between versions: progressive releases).
 
     Model control (load, unload) always goes over gRPC: while the server handles an HTTP load request its HTTP
     endpoint stalls every other HTTP request, inference included (measured here: 4-5 s, the whole load), whereas
@@ -75,7 +76,7 @@ class TritonHook(BaseHook):
         return {
             "hidden_fields": ["schema", "login"],
             "relabeling": {"host": "Server host", "port": "HTTP port", "password": "Bearer token (optional)"},
-            "placeholders": {"extra": '{"protocol": "http", "grpc_port": 8001, "headers": {}}'},
+            "placeholders": {"extra": '{"protocol": "http", "grpc_port": 8001, "guard_port": 8003, "headers": {}}'},
         }
 
     @cached_property
@@ -109,6 +110,17 @@ class TritonHook(BaseHook):
             raise TritonError(f"connection {self.triton_conn_id!r}: extra 'grpc_port' is {port!r}; give the "
                               "server's gRPC port as a number") from None
         return f"{self._host()}:{port}"
+
+    @property
+    def guard_url(self) -> str | None:
+        """``http://host:port`` of the guard's admin port (metrics, releases); None when the connection names none."""
+        port = self.connection.extra_dejson.get("guard_port")
+        if port in (None, ""):
+            return None
+        if isinstance(port, bool) or not str(port).isdigit() or not 0 < int(port) < 65536:
+            raise TritonError(f"connection {self.triton_conn_id!r}: extra 'guard_port' is {port!r}; give the "
+                              "guard's admin port as a number")
+        return f"http://{self._host()}:{int(port)}"
 
     def _host(self) -> str:
         if not self.connection.host:
@@ -260,6 +272,50 @@ class TritonHook(BaseHook):
             outputs=requested,
         )
         return result.as_numpy(output_name)
+
+    # ------------------------------------------------------------------------------ the guard's releases
+    def _guard(self, method: str, path: str, document: dict | None = None) -> dict | None:
+        """One call to the guard's release API; None when it answers 404 (no release of the model)."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        base = self.guard_url
+        if base is None:
+            raise TritonError(f"connection {self.triton_conn_id!r} has no extra 'guard_port': releases are set on "
+                              "the guard's admin port; add it, or deploy with serving.release.strategy: direct")
+        body = json.dumps(document).encode() if document is not None else None
+        request = urllib.request.Request(f"{base}{path}", data=body, method=method,
+                                         headers={"Content-Type": "application/json", **self.headers})
+        try:
+            with urllib.request.urlopen(request, timeout=min(self.timeout_s, 30)) as response:
+                return json.load(response)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            detail = exc.read().decode(errors="replace")[:500]
+            raise TritonError(f"the guard at {base} refused {method} {path}: {exc.code} {detail}") from exc
+        except (OSError, ValueError) as exc:
+            raise ServerUnavailable(f"the guard at {base} did not answer {method} {path}: {exc}; check that it runs "
+                                    f"and that connection {self.triton_conn_id!r} names its admin port") from exc
+
+    def set_release(self, name: str, stable: int, candidate: int | None = None, mode: str = "stable",
+                    share: int = 0) -> dict:
+        """Route ``name``'s unversioned requests: all to ``stable``, or a shadow copy / canary ``share`` percent to
+        ``candidate``. Returns the release with its ``generation`` (figures count from it)."""
+        return self._guard("PUT", f"/v1/releases/{name}",
+                           {"stable": stable, "candidate": candidate, "mode": mode, "share": share})
+
+    def clear_release(self, name: str) -> bool:
+        """Stop routing ``name`` (unversioned requests then go to the server's own choice)."""
+        return self._guard("DELETE", f"/v1/releases/{name}") is not None
+
+    def release(self, name: str) -> dict | None:
+        return self._guard("GET", f"/v1/releases/{name}")
+
+    def release_figures(self, name: str) -> dict | None:
+        """The release and what its stable and candidate versions answered since its generation began."""
+        return self._guard("GET", f"/v1/releases/{name}/figures")
 
     def _client_module(self):
         if self.protocol == "grpc":

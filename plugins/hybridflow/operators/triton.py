@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import json
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from pathlib import Path
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink
 
-from hybridflow.config import ServingConfig
+from hybridflow.config import ReleaseConfig, ServingConfig
 from hybridflow.exceptions import ConfigError, ModelRolledBack, TritonError
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def serving_kwargs(serving: ServingConfig) -> dict[str, Any]:
 def deploy_kwargs(serving: ServingConfig) -> dict[str, Any]:
     """:class:`TritonDeployOperator`'s arguments from the ``serving:`` section, the gate included."""
     return {**serving_kwargs(serving), "slo_p99_ms": serving.slo_p99_ms, "concurrency": serving.gate_concurrency,
-            "gate_requests": serving.gate_requests}
+            "gate_requests": serving.gate_requests, "release": serving.release}
 
 
 def run_sync(coro):
@@ -68,6 +68,10 @@ def final(error: Exception) -> Exception:
 
 def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def step_label(mode: str, share: int) -> str:
+    return "shadow" if mode == "shadow" else f"canary {share}%"
 
 
 class TritonModelStatusLink(BaseOperatorLink):
@@ -220,6 +224,15 @@ class TritonServingOperator(BaseOperator):
         records = self.repo.records(self.model_name)
         return serving_version(self.hook.ready_versions(self.model_name), records), records
 
+    def route_to(self, version: int | None) -> None:
+        """Every unversioned request to ``version`` (None: no release: the server's own choice), at once."""
+        if self.hook.guard_url is None:
+            return
+        if version is None:
+            self.hook.clear_release(self.model_name)
+        else:
+            self.hook.set_release(self.model_name, version)
+
     def wait_ready(self, version: int, carry: dict[str, Any], load: bool = True) -> dict[str, Any]:
         """Load and wait here (non-deferrable mode, on-call rollback): the trigger's own logic, in this process."""
         return run_sync(self.ready_trigger(version, carry, load).wait())
@@ -236,7 +249,13 @@ class TritonDeployOperator(TritonServingOperator):
     3. Smoke test: the export's fixed inputs must give the outputs computed at export time, within ``atol``.
     4. Latency gate: ``gate_requests`` requests, ``concurrency`` in flight, on the new version; p99 over
        ``slo_p99_ms`` (or any failed request) fails it.
-    5. Promote (policy ``[new]``: the previous version is unloaded only now) or roll back (policy ``[previous]``:
+    5. Progressive release (``release.strategy: progressive``, when a version serves already): the guard holds
+       unversioned requests on the serving version from the load on, then copies them to the new one (shadow),
+       then sends it each canary share in turn; a deferred trigger judges every step on the guard's figures of
+       both versions (error rate, p99, mean score shift and PSI). A failed step sets the split back to the
+       previous version at once and unloads the new one; the figure and the threshold it broke are in the log
+       and the report (``release.steps``).
+    6. Promote (policy ``[new]``: the previous version is unloaded only now) or roll back (policy ``[previous]``:
        the new version is unloaded, the previous never stopped serving), then raise :class:`ModelRolledBack`
        (retried: a latency breach or a load timeout may pass next time) or, when the server refused the load or
        the outputs were wrong, the same message as ``AirflowFailException`` (a retry cannot help).
@@ -250,15 +269,16 @@ class TritonDeployOperator(TritonServingOperator):
     {requests, concurrency, p50_ms, p99_ms, throughput_rps, failed}, plus ``reason``, ``reused_version``,
     ``sha256``, ``repository``, ``status_url``, ``slo_p99_ms``.
 
-    Requests without a version go to the newest READY version, so once the new version is ready it takes that
-    traffic for the few seconds of the gates; a wrong-output version is caught by the smoke test right after
-    it becomes ready (milliseconds). Clients that must never see an unproven version ask for a version.
+    Without the guard's release port (connection extra ``guard_port``; ``release.strategy: direct`` only),
+    requests without a version go to the newest READY version, so once the new version is ready it takes that
+    traffic for the few seconds of the gates. With it, they stay on the serving version until the release says.
 
     :param export_dir: the training job's ``export/`` directory (templated).
     :param model_uri: the registry version it is (``models:/<name>/<N>``, templated), kept in the Triton version's
         record so a served version leads back to its registry version and run.
     :param slo_p99_ms: the latency budget of one request at p99.
     :param concurrency: requests in flight during the latency gate; ``gate_requests`` how many in all.
+    :param release: how the version meets real traffic (:class:`~hybridflow.config.ReleaseConfig`).
     :param deferrable: wait for readiness in the triggerer (default) instead of holding a worker slot.
     """
 
@@ -272,10 +292,12 @@ class TritonDeployOperator(TritonServingOperator):
         slo_p99_ms: float = ServingConfig.slo_p99_ms,
         concurrency: int = ServingConfig.gate_concurrency,
         gate_requests: int = ServingConfig.gate_requests,
+        release: ReleaseConfig | None = None,
         deferrable: bool = True,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.release = release or ReleaseConfig()
         self.export_dir = export_dir
         self.model_uri = model_uri
         self.slo_p99_ms = slo_p99_ms
@@ -296,6 +318,16 @@ class TritonDeployOperator(TritonServingOperator):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{key} is {value!r}; give a positive integer")
+        self.release.validate("release")
+        if self.release.strategy == "progressive" and self.hook.guard_url is None:
+            raise ConfigError(f"release.strategy is progressive but connection {self.triton_conn_id!r} names no "
+                              "guard_port (the guard splits the traffic); add the extra, or use strategy: direct")
+
+    def release_steps(self) -> list[tuple[str, int]]:
+        """``(mode, candidate share)`` of each judged step: shadow (when ``shadow_s``), then the canary shares
+        below 100 (100 is the promotion)."""
+        steps = [("shadow", 0)] if self.release.shadow_s > 0 else []
+        return steps + [("canary", share) for share in self.release.canary_steps if share < 100]
 
     def execute(self, context: Context) -> dict:
         try:
@@ -339,6 +371,8 @@ class TritonDeployOperator(TritonServingOperator):
             if self.model_uri and records[version].model_uri != self.model_uri:  # deployed before it was registered
                 self.repo.write_record(self.model_name, replace(records[version], model_uri=self.model_uri))
         loaded = loaded_versions(previous, version)
+        if previous not in (None, version):
+            self.route_to(previous)  # the new version answers no unversioned request before its release says
         changed = self.repo.write_config(self.model_name, self.render_config(bundle.signature.n_features, loaded))
         self.log.info("Loading %s versions %s (serving now: %s, until promotion)", self.model_name, list(loaded),
                       previous)
@@ -388,7 +422,6 @@ class TritonDeployOperator(TritonServingOperator):
             return self._server_went_away(context, report, carry, str(exc))
 
     def _prove_and_promote(self, context: Context, report: dict, carry: dict) -> dict:
-        from hybridflow.utils.triton import VersionStatus
 
         version, previous = carry["version"], carry["previous_version"]
         smoke_set = self.smoke_set(version)
@@ -408,6 +441,16 @@ class TritonDeployOperator(TritonServingOperator):
         if breach:
             return self._roll_back(context, report, carry, f"latency gate failed: {breach}", retryable=True)
 
+        if self.release.strategy == "progressive" and previous not in (None, version) and self.release_steps():
+            report["release"] = {"strategy": "progressive", "steps": [], "no_traffic": False}
+            return self._start_step(context, report, carry, 0)
+        return self._promote(context, report, carry)
+
+    def _promote(self, context: Context, report: dict, carry: dict) -> dict:
+        from hybridflow.utils.triton import VersionStatus
+
+        version, previous = carry["version"], carry["previous_version"]
+        self.route_to(version)  # before the previous version is unloaded: no request is routed to it after
         if previous != version:
             self.serve_versions(carry["n_features"], (version,))
         self.mark(version, VersionStatus.PROMOTED)
@@ -416,6 +459,78 @@ class TritonDeployOperator(TritonServingOperator):
         self.log.info("Promoted %s version %s (%s): %s", self.model_name, version, unloaded, self._figures(report))
         context["ti"].xcom_push(key=XCOM_REPORT, value=report)
         return report
+
+    def _start_step(self, context: Context, report: dict, carry: dict, index: int) -> dict:
+        """Set the release of step ``index`` on the guard and judge it (deferred, or here)."""
+        from hybridflow.triggers.triton import TritonReleaseStepTrigger
+
+        mode, share = self.release_steps()[index]
+        version, previous = carry["version"], carry["previous_version"]
+        release = self.hook.set_release(self.model_name, previous, version, mode=mode, share=share)
+        window = self.release.shadow_s if mode == "shadow" else self.release.step_min_s
+        timeout = None if self.release.no_traffic == "wait" else self.release.step_timeout_s
+        self.log.info("%s version %s: %s (%s), at least %.0f s and %d requests per version, judged against "
+                      "version %s", self.model_name, version, step_label(mode, share),
+                      "copies of every unversioned request, answers compared" if mode == "shadow" else
+                      f"{share}% of unversioned requests", window, self.release.min_requests, previous)
+        trigger = TritonReleaseStepTrigger(
+            triton_conn_id=self.triton_conn_id, model_name=self.model_name, generation=release["generation"],
+            thresholds=asdict(self.release.thresholds()), min_window_s=window, timeout_s=timeout,
+            poll_interval_s=min(2.0, max(0.5, window / 5)), carry={**carry, "report": report, "step": index})
+        if self.deferrable:
+            self.defer(trigger=trigger, method_name="step_complete",
+                       timeout=None if timeout is None else timedelta(seconds=timeout + 120))
+        return self._step_done(context, run_sync(trigger.wait()))
+
+    def step_complete(self, context: Context, event: dict[str, Any]) -> dict:
+        from hybridflow.hooks.triton import ServerUnavailable
+
+        missing = {"status", "carry", "message"} - set(event or {})
+        if missing:
+            raise TritonError(f"malformed trigger event (missing {sorted(missing)}): {event}")
+        carry = dict(event["carry"])
+        report = carry.pop("report")
+        try:
+            return self._step_done(context, event)
+        except ServerUnavailable as exc:
+            return self._server_went_away(context, report, carry, str(exc))
+        finally:
+            self.hook.close()
+
+    def _step_done(self, context: Context, event: dict[str, Any]) -> dict:
+        carry = dict(event["carry"])
+        report, index = carry.pop("report"), carry.pop("step")
+        mode, share = self.release_steps()[index]
+        verdict = event.get("verdict") or {}
+        report["release"]["steps"].append({"mode": mode, "share": share, "outcome": event["status"],
+                                           "seconds": event.get("seconds"), "figures": verdict.get("figures", {}),
+                                           "reasons": verdict.get("reasons", [])})
+        label, status = step_label(mode, share), event["status"]
+        self.log.info("%s version %s, %s: %s (%s); figures %s", self.model_name, carry["version"], label, status,
+                      event["message"], verdict.get("figures", {}))
+        if status == "pass":
+            if index + 1 < len(self.release_steps()):
+                return self._start_step(context, report, carry, index + 1)
+            return self._promote(context, report, carry)
+        if status == "fail":
+            return self._roll_back(context, report, carry, f"{label} failed: {event['message']} "
+                                   f"(serving.release thresholds)", retryable=False)
+        if status == "no_traffic" and self.release.no_traffic == "promote":
+            report["release"]["no_traffic"] = True
+            self.log.warning("%s version %s, %s: %s; promoting on the smoke set and the latency gate alone "
+                             "(serving.release.no_traffic: promote)", self.model_name, carry["version"], label,
+                             event["message"])
+            return self._promote(context, report, carry)
+        if status == "no_traffic":
+            return self._roll_back(context, report, carry, f"{label}: too little traffic to judge ({event['message']}; "
+                                   "serving.release.no_traffic: fail)", retryable=False)
+        if status == "superseded":
+            report["reason"] = event["message"]
+            context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+            raise final(TritonError(f"{self.model_name} version {carry['version']} is not promoted: "
+                                    f"{event['message']}. Whoever changed it (an on-call rollback) owns the "
+                                    f"release now; nothing was changed. Runbook: {self.runbook}"))
+        return self._roll_back(context, report, carry, f"{label}: {event['message']}", retryable=True)
 
     def _roll_back(self, context: Context, report: dict, carry: dict, reason: str, retryable: bool,
                    restarted: bool = False) -> dict:
@@ -426,6 +541,7 @@ class TritonDeployOperator(TritonServingOperator):
         report["reason"] = reason
         self.log.error("Rolling back %s version %s: %s", self.model_name, version, reason)
         try:
+            self.route_to(previous)  # first: from now on no unversioned request reaches the failed version
             if previous is None:
                 # Nothing served before this deploy: serve nothing rather than an unproven version.
                 self.hook.unload_model(self.model_name)
@@ -527,8 +643,12 @@ class TritonRollbackOperator(TritonServingOperator):
 
         self.validate_names()
         current, records = self.serving()
-        current = self._number(self.from_version, "from_version") or current
         target = self._number(self.version, "version")
+        release = (self.hook.release(self.model_name) or {}).get("release") if self.hook.guard_url else None
+        if release and release["mode"] != "stable":
+            # A release in shadow or canary: rolling back ends it, back to the version it judges against.
+            current, target = release["candidate"], target or release["stable"]
+        current = self._number(self.from_version, "from_version") or current
         if target and target not in records:
             raise ConfigError(f"version {target} of {self.model_name} is not a complete version in {self.repo.uri}; "
                               f"complete versions: {sorted(records)}")
@@ -560,6 +680,10 @@ class TritonRollbackOperator(TritonServingOperator):
                               f"{records[current].n_features}: clients would send the wrong input; not rolling back")
         self.log.info("Rolling %s back from version %s to version %s (serving now: %s)", self.model_name,
                       rolled_back_from, target, current)
+        if target in self.hook.ready_versions(self.model_name):
+            # Loaded still (a release in shadow or canary, or a rerun): every unversioned request to it at once;
+            # a deploy judging a step sees its release changed and stops without promoting.
+            self.route_to(target)
         changed = self.repo.write_config(self.model_name,
                                          self.render_config(n_features, loaded_versions(current, target)))
         event = self.wait_ready(target, {}, load=changed or current != target)
@@ -573,7 +697,8 @@ class TritonRollbackOperator(TritonServingOperator):
             raise TritonError(f"version {target} of {self.model_name} fails its smoke test (max abs error "
                               f"{smoke.max_abs_error:.3g} > atol {smoke.atol:g}); version {current} keeps serving. "
                               f"Runbook: {self.runbook}")
-        if current != target:
+        self.route_to(target)
+        if self.hook.ready_versions(self.model_name) != [target]:
             self.serve_versions(n_features, (target,))
         ready = self.hook.ready_versions(self.model_name)
         if ready != [target]:

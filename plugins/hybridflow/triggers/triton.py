@@ -136,3 +136,94 @@ class TritonModelReadyTrigger(BaseTrigger):
         return {"status": status, "model": self.model_name, "version": self.version,
                 "load_s": round(time.monotonic() - self._load_started, 3), "message": message,
                 "versions": versions or {}, "carry": self.carry}
+
+
+class TritonReleaseStepTrigger(BaseTrigger):
+    """
+    Judges one step of a progressive release (shadow, or a canary share) from the guard's figures of each version
+    since the step's release ``generation`` began. Yields exactly one event:
+    ``{"status": "pass"|"fail"|"no_traffic"|"superseded"|"error", "verdict", "seconds", "message", "carry"}``.
+
+    ``pass``: both versions answered ``min_requests`` and the candidate stays within every threshold, after at
+    least ``min_window_s``. ``fail``: a threshold is broken (judged as soon as there are enough requests).
+    ``no_traffic``: fewer requests than needed after ``timeout_s`` (None: wait without limit). ``superseded``: the
+    release was changed or cleared by someone else (an on-call rollback). ``error``: the guard did not answer
+    for ``timeout_s``.
+
+    :param thresholds: :class:`~hybridflow.utils.release.StepThresholds` as a dict.
+    :param started_at: wall-clock start, kept through a triggerer restart.
+    """
+
+    def __init__(
+        self,
+        triton_conn_id: str,
+        model_name: str,
+        generation: int,
+        thresholds: dict[str, Any],
+        min_window_s: float,
+        timeout_s: float | None,
+        poll_interval_s: float = 2.0,
+        started_at: float | None = None,
+        carry: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.triton_conn_id = triton_conn_id
+        self.model_name = model_name
+        self.generation = int(generation)
+        self.thresholds = dict(thresholds)
+        self.min_window_s = min_window_s
+        self.timeout_s = timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.started_at = started_at if started_at is not None else time.time()
+        self.carry = dict(carry or {})
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return ("hybridflow.triggers.triton.TritonReleaseStepTrigger", {
+            "triton_conn_id": self.triton_conn_id, "model_name": self.model_name, "generation": self.generation,
+            "thresholds": self.thresholds, "min_window_s": self.min_window_s, "timeout_s": self.timeout_s,
+            "poll_interval_s": self.poll_interval_s, "started_at": self.started_at, "carry": self.carry,
+        })
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        yield TriggerEvent(await self.wait())
+
+    async def wait(self) -> dict[str, Any]:
+        from hybridflow.utils.release import FAIL, PASS, StepThresholds, VersionFigures, judge
+
+        hook = TritonHook(self.triton_conn_id)
+        thresholds = StepThresholds(**self.thresholds)
+        verdict, unanswered = None, ""
+        try:
+            await hook.aconnect()
+        except TritonError as exc:
+            return self._event("error", str(exc))
+        while True:
+            elapsed = time.time() - self.started_at
+            try:
+                figures = await asyncio.to_thread(hook.release_figures, self.model_name)
+                unanswered = ""
+            except TritonError as exc:
+                figures, unanswered = None, str(exc)
+            if unanswered:
+                if self.timeout_s is not None and elapsed > self.timeout_s:
+                    return self._event("error", f"the guard did not answer for {elapsed:.0f} s: {unanswered}")
+            elif figures is None or figures.get("generation") != self.generation:
+                now = (figures or {}).get("release") or "no release"
+                return self._event("superseded", f"the release of {self.model_name} changed under this step "
+                                                  f"(generation {self.generation} -> "
+                                                  f"{(figures or {}).get('generation', 'cleared')}: {now})")
+            else:
+                verdict = judge(VersionFigures(**figures["stable"]), VersionFigures(**figures["candidate"]),
+                                thresholds)
+                if verdict.outcome == FAIL:
+                    return self._event("fail", "; ".join(verdict.reasons), verdict)
+                if verdict.outcome == PASS and elapsed >= self.min_window_s:
+                    return self._event("pass", "within every threshold", verdict)
+                if verdict.outcome != PASS and self.timeout_s is not None and elapsed > self.timeout_s:
+                    return self._event("no_traffic", f"{verdict.reasons[0]} after {elapsed:.0f} s", verdict)
+            await asyncio.sleep(self.poll_interval_s)
+
+    def _event(self, status: str, message: str, verdict=None) -> dict[str, Any]:
+        verdict = {**verdict.as_dict(), "reasons": list(verdict.reasons)} if verdict else None
+        return {"status": status, "message": message, "verdict": verdict,
+                "seconds": round(time.time() - self.started_at, 1), "carry": self.carry}

@@ -13,7 +13,8 @@ import yaml
 from hybridflow.config import load_pipeline_config
 from hybridflow.exceptions import ConfigError, TritonError
 from hybridflow.hooks.model_repository import LocalModelRepository
-from hybridflow.triggers.triton import TritonModelReadyTrigger
+from hybridflow.config import ReleaseConfig
+from hybridflow.triggers.triton import TritonModelReadyTrigger, TritonReleaseStepTrigger
 from hybridflow.utils.latency import percentile, summarize
 from hybridflow.utils.triton import (
     ModelConfigSpec,
@@ -244,6 +245,34 @@ def test_triton_ready_trigger_serializes_everything_it_needs():
     assert kwargs == {"triton_conn_id": "triton_default", "model_name": "m", "version": 3, "timeout_s": 60,
                       "load": False, "poll_interval_s": 2, "started_at": 100.0, "carry": {"previous_version": 2}}
     assert TritonModelReadyTrigger(**kwargs).serialize() == (path, kwargs)
+
+
+def test_triton_release_step_trigger_serializes_everything_it_needs():
+    trigger = TritonReleaseStepTrigger("triton_default", "m", generation=4, thresholds={"min_requests": 50},
+                                       min_window_s=10, timeout_s=None, poll_interval_s=1, started_at=100.0,
+                                       carry={"step": 1, "report": {"release": {"steps": []}}})
+    path, kwargs = trigger.serialize()
+    assert path == "hybridflow.triggers.triton.TritonReleaseStepTrigger"
+    assert kwargs == {"triton_conn_id": "triton_default", "model_name": "m", "generation": 4,
+                      "thresholds": {"min_requests": 50}, "min_window_s": 10, "timeout_s": None,
+                      "poll_interval_s": 1, "started_at": 100.0,
+                      "carry": {"step": 1, "report": {"release": {"steps": []}}}}
+    assert TritonReleaseStepTrigger(**kwargs).serialize() == (path, kwargs)
+
+
+@pytest.mark.parametrize("release, steps", [
+    (ReleaseConfig(), [("shadow", 0), ("canary", 10), ("canary", 50)]),
+    (ReleaseConfig(shadow_s=0), [("canary", 10), ("canary", 50)]),
+    (ReleaseConfig(shadow_s=30, canary_steps=(100,)), [("shadow", 0)]),
+    (ReleaseConfig(shadow_s=0, canary_steps=(100,)), []),  # nothing to judge: promoted after the gates
+    (ReleaseConfig(canary_steps=(1, 5, 25, 100)), [("shadow", 0), ("canary", 1), ("canary", 5), ("canary", 25)]),
+])
+def test_a_progressive_release_judges_shadow_then_each_canary_share_below_100(release, steps):
+    from hybridflow.operators.triton import TritonDeployOperator
+
+    operator = TritonDeployOperator(task_id="deploy", export_dir="/x", model_name="m", repository="/srv/models",
+                                    release=release)
+    assert operator.release_steps() == steps
 
 
 GOOD = yaml.safe_load((REPO / "include/config/pipeline.yaml").read_text())

@@ -1,0 +1,248 @@
+"""Progressive delivery through the guard, against the real local tritonserver: the per-request split, shadow
+copies, the figures and Prometheus metrics the guard keeps, its release API under hostile input, and (through
+Airflow's task lifecycle) deploys that go through shadow and canary while a client keeps asking: a candidate with
+shifted scores and a slow one are rolled back, a good one is promoted, and no client request fails."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.triton_models import (
+    N_FEATURES,
+    TRITON_HTTP,
+    deploy_dag,
+    make_export,
+    publish_slow_version,
+    ready_versions,
+    remove_model,
+    tiny_model,
+)
+from hybridflow.config import ReleaseConfig
+from hybridflow.hooks.triton import TritonHook
+from hybridflow.operators.triton import TritonDeployOperator
+from hybridflow.utils.triton import VersionRecord, VersionStatus, read_export
+from prometheus_client.parser import text_string_to_metric_families
+
+GUARD_ADMIN = "http://127.0.0.1:8003"
+
+
+def publish_and_serve(repository: str, model: str, exports: dict[int, Path]) -> None:
+    """Versions published as the deploy operator publishes them, all loaded at once (no release yet)."""
+    operator = TritonDeployOperator(task_id="setup", export_dir="/unused", model_name=model, repository=repository,
+                                    release=ReleaseConfig(strategy="direct"))
+    for version, export in exports.items():
+        bundle = read_export(export)
+        operator.repo.publish_version(model, version, bundle.version_files(), VersionRecord(
+            version=version, sha256=bundle.sha256, n_features=N_FEATURES, source=str(export),
+            published_at="2026-12-05T00:00:00+00:00",
+            status=VersionStatus.PROMOTED if version == 1 else VersionStatus.PUBLISHED))
+    operator.serve_versions(N_FEATURES, tuple(exports))
+    operator.hook.close()
+
+
+def infer(model: str, rows: np.ndarray, version: int | None = None) -> tuple[str, list[float]]:
+    """One JSON infer request through the guard: the answering version and the scores."""
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
+    body = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": list(rows.shape),
+                                   "data": rows.ravel().tolist()}]}).encode()
+    request = urllib.request.Request(f"http://{TRITON_HTTP}{path}", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        answer = json.load(response)
+    return answer["model_version"], answer["outputs"][0]["data"]
+
+
+def admin(method: str, path: str, body: bytes | None = None) -> tuple[int, dict | str]:
+    request = urllib.request.Request(f"{GUARD_ADMIN}{path}", data=body, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            text = response.read().decode()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        text, status = exc.read().decode(), exc.code
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def scraped(name: str, **labels: str) -> float:
+    """One sample of the guard's /metrics, 0 when absent."""
+    with urllib.request.urlopen(f"{GUARD_ADMIN}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def two_versions(stack, tmp_path_factory):
+    """A model with versions 1 and 2 both loaded, and a hook on the stack's Triton connection."""
+    repository = f"{stack['HYBRIDFLOW_STORAGE_ROOT']}/model-repository"
+    model = f"t_release_{uuid.uuid4().hex[:8]}"
+    exports = tmp_path_factory.mktemp("exports")
+    publish_and_serve(repository, model, {1: make_export(exports / "v1", 1), 2: make_export(exports / "v2", 2)})
+    hook = TritonHook("triton_default")
+    yield model, hook
+    hook.close()
+    remove_model(repository, model)
+
+
+def test_a_canary_share_holds_over_2000_requests_and_versioned_requests_keep_their_version(two_versions):
+    model, hook = two_versions
+    generation = hook.set_release(model, 1, 2, mode="canary", share=10)["generation"]
+    rows = np.random.default_rng(3).normal(size=(2000, N_FEATURES)).astype(np.float32)
+    with ThreadPoolExecutor(8) as pool:
+        answered = [version for version, _ in pool.map(lambda row: infer(model, row[None, :]), rows)]
+        pinned = list(pool.map(lambda row: infer(model, row[None, :], version=1)[0], rows[:100]))
+    share = answered.count("2") / len(answered)
+    assert answered.count("1") + answered.count("2") == 2000
+    assert 0.07 <= share <= 0.13, f"the candidate answered {share:.1%} of unversioned requests at a 10% canary"
+    assert pinned == ["1"] * 100  # a request naming a version gets it, whatever the release
+
+    figures = hook.release_figures(model)
+    assert figures["generation"] == generation and figures["release"]["share"] == 10
+    assert figures["candidate"]["requests"] == answered.count("2")
+    assert figures["stable"]["requests"] == answered.count("1")  # the pinned ones are not the step's traffic
+    assert len(figures["candidate"]["scores"]) == answered.count("2") and figures["candidate"]["errors"] == 0
+    # Prometheus sees every answer, by the version that gave it, and the split now.
+    assert scraped("tritonguard_requests_total", model=model, version="2", protocol="http") == answered.count("2")
+    assert scraped("tritonguard_requests_total", model=model, version="1", protocol="http") \
+        == answered.count("1") + 100
+    assert scraped("tritonguard_request_duration_seconds_count", model=model, version="2", protocol="http") \
+        == answered.count("2")
+    assert scraped("tritonguard_release_share_percent", model=model, version="2", role="candidate") == 10
+
+
+def test_shadow_answers_with_the_stable_version_and_compares_the_candidate_on_the_same_requests(two_versions):
+    import torch
+
+    model, hook = two_versions
+    hook.set_release(model, 1, 2, mode="shadow")
+    rows = np.random.default_rng(4).normal(size=(300, N_FEATURES)).astype(np.float32)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda row: infer(model, row[None, :]), rows))
+    with torch.inference_mode():
+        stable_scores = tiny_model(1)(torch.from_numpy(rows)).numpy().ravel()
+        candidate_scores = tiny_model(2)(torch.from_numpy(rows)).numpy().ravel()
+    assert {version for version, _ in answers} == {"1"}
+    np.testing.assert_allclose([scores[0] for _, scores in answers], stable_scores, atol=1e-6)
+
+    deadline = time.monotonic() + 15
+    while (figures := hook.release_figures(model))["candidate"]["requests"] < 300 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the copies are sent after the answers: wait for the last ones
+    assert figures["stable"]["requests"] == figures["candidate"]["requests"] == 300
+    np.testing.assert_allclose(sorted(figures["candidate"]["scores"]), sorted(candidate_scores), atol=1e-6)
+    assert scraped("tritonguard_requests_total", model=model, version="2", protocol="shadow") >= 300
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "says"), [
+    ("PUT", "/v1/releases/{model}", b"{not json", 400, "release of"),
+    ("PUT", "/v1/releases/{model}", b"[1, 2]", 400, "must be a JSON object"),
+    ("PUT", "/v1/releases/{model}", b'{"stable": "1"}', 400, "stable: '1'; give a version number"),
+    ("PUT", "/v1/releases/{model}", b'{"stable": 1e400}', 400, "give a version number"),
+    ("PUT", "/v1/releases/{model}", b'{"stable": 1, "candidate": 2, "mode": "canary", "share": 1000}', 400,
+     "a whole percentage"),
+    ("PUT", "/v1/releases/{model}", b'{"stable": 1, "mode": "canary", "share": 10}', 400, "needs a candidate"),
+    ("PUT", "/v1/releases/{model}", b'{"stable": 1, "extra": "x"}', 400, "unknown field(s) ['extra']"),
+    ("PUT", "/v1/releases/{model}", b'{"stable": 1, "x": "' + b"a" * 70_000 + b'"}', 413, ""),
+    ("PUT", "/v1/releases/..%2F..%2Fetc", b'{"stable": 1}', 400, "model name"),
+    ("PUT", "/v1/releases/" + "m" * 200, b'{"stable": 1}', 400, "use 1-128 letters"),
+    ("POST", "/v1/releases/{model}", b'{"stable": 1}', 405, "use GET, PUT or DELETE"),
+    ("DELETE", "/v1/releases/never_released_model", None, 404, "no release of 'never_released_model'"),
+    ("GET", "/v1/releases/never_released_model/figures", None, 404, "no release"),
+    ("GET", "/v1/releases/{model}/../../metrics", None, 404, "Not Found"),
+])
+def test_the_release_api_refuses_bad_requests_and_changes_nothing(two_versions, method, path, body, status, says):
+    model, hook = two_versions
+    before = hook.set_release(model, 1)
+    code, answer = admin(method, path.format(model=model), body)
+    assert code == status, answer
+    assert says in (answer.get("error", "") if isinstance(answer, dict) else answer)
+    assert hook.release(model) == before  # the release and its generation did not move
+    with urllib.request.urlopen(f"http://{TRITON_HTTP}/v2/health/ready", timeout=5) as ready:
+        assert ready.status == 200
+
+
+# --- Progressive deploys through Airflow, a client asking all along -------------------------------------------
+
+# Small windows for a test; the judge's thresholds are wide enough for 100-request samples on a loaded machine
+# (the chance PSI of two samples of the same scores is about 9 * (1/n1 + 1/n2) over deciles) and far from what
+# a shifted (mean +0.2, PSI > 1) or slow (150 ms per batch) candidate shows.
+RELEASE = {"strategy": "progressive", "shadow_s": 2, "canary_steps": [25, 100], "step_min_s": 2,
+           "step_timeout_s": 90, "no_traffic": "fail", "min_requests": 100, "max_error_rate": 0.01,
+           "max_p99_ms": 100, "max_mean_shift": 0.08, "max_psi": 0.5}
+
+
+def test_progressive_deploys_roll_back_a_shifted_and_a_slow_candidate_and_promote_a_good_one_with_no_failed_request(
+    run_dag, stack, repository, tmp_path, client_loop
+):
+    model = f"t_progressive_{uuid.uuid4().hex[:8]}"
+    hook = TritonHook("triton_default")
+    try:
+        publish_and_serve(repository, model, {1: make_export(tmp_path / "v1", 1)})
+        hook.set_release(model, 1)
+        loop = client_loop(model)
+
+        def deploy(label: str, export: Path, **options) -> dict:
+            dag_id = f"t_progressive_{label}_{uuid.uuid4().hex[:6]}"
+            started = time.time()
+            result = run_dag(deploy_dag(dag_id, export, model, repository, release=RELEASE, **options), dag_id)
+            loop.windows[label] = (started, time.time())
+            return result
+
+        shifted = deploy("shifted", make_export(tmp_path / "shifted", 1, kind="shifted"))
+        assert shifted["state"] == "failed"
+        report = shifted["tasks"]["deploy"]["xcom"]["deploy_report"]
+        assert report["version"] == 2 and report["promoted"] is False
+        steps = report["release"]["steps"]
+        assert [(s["mode"], s["outcome"]) for s in steps] == [("shadow", "fail")]
+        assert "mean score shift" in report["reason"] and "PSI" in report["reason"]
+        assert steps[0]["figures"]["mean_shift"] > RELEASE["max_mean_shift"]
+        assert steps[0]["figures"]["psi"] > RELEASE["max_psi"]
+        assert "shadow failed" in shifted["log"] and "version 1 keeps serving" in shifted["log"]
+        assert ready_versions(model) == [1] and hook.release(model)["release"]["mode"] == "stable"
+
+        slow_export = make_export(tmp_path / "slow", 1, kind="close")
+        assert publish_slow_version(repository, model, slow_export, sleep_ms=150) == 3
+        # The gate measures the slow version under concurrency 4: give it room, so the release's p99 judges it.
+        slow = deploy("slow", slow_export, slo_p99_ms=5000, gate_requests=8)
+        assert slow["state"] == "failed"
+        report = slow["tasks"]["deploy"]["xcom"]["deploy_report"]
+        assert report["version"] == 3 and report["promoted"] is False
+        assert report["release"]["steps"][-1]["outcome"] == "fail" and "p99" in report["reason"]
+        assert report["release"]["steps"][-1]["figures"]["p99_ms"] > RELEASE["max_p99_ms"]
+        assert ready_versions(model) == [1]
+
+        good = deploy("good", make_export(tmp_path / "good", 1, kind="close", variant=1))
+        assert good["state"] == "success", good["log"][-4000:]
+        report = good["tasks"]["deploy"]["xcom"]["return_value"]
+        assert report["version"] == 4 and report["promoted"] is True
+        steps = report["release"]["steps"]
+        assert [(s["mode"], s["share"], s["outcome"]) for s in steps] == [("shadow", 0, "pass"),
+                                                                          ("canary", 25, "pass")]
+        assert all(s["figures"]["requests"] >= RELEASE["min_requests"] for s in steps)
+        assert ready_versions(model) == [4]
+        assert hook.release(model)["release"] == {"stable": 4, "candidate": None, "mode": "stable", "share": 0}
+    finally:
+        events = loop.stop() if "loop" in locals() else []
+        hook.close()
+        remove_model(repository, model)
+
+    failed = [e for e in events if e[3]]
+    assert not failed, f"{len(failed)} of {len(events)} client requests failed: {failed[:5]}"
+    start, end = loop.windows["shifted"]
+    assert {e[2] for e in events if start <= e[0] <= end} == {"1"}  # a shadow candidate never answers
+    start, end = loop.windows["good"]
+    during_good = [e[2] for e in events if start <= e[0] <= end]
+    assert "4" in during_good and "1" in during_good  # the canary split, then the promotion
+    assert len(events) > 500
