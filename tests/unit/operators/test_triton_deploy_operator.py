@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hybridflow.config import load_pipeline_config
+from hybridflow.config import ReleaseConfig, load_pipeline_config
 from hybridflow.exceptions import ConfigError, TritonError
 from hybridflow.hooks.model_repository import LocalModelRepository
-from hybridflow.config import ReleaseConfig
 from hybridflow.triggers.triton import TritonModelReadyTrigger, TritonReleaseStepTrigger
 from hybridflow.utils.latency import percentile, summarize
 from hybridflow.utils.triton import (
