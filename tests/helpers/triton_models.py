@@ -32,8 +32,8 @@ def make_export(directory: Path, seed: int, kind: str = "good", variant: int = 0
     """An export dir as jobs/hybridtrain/export.py writes it. ``wrong``: model.pt is another model than the one
     the smoke outputs came from; ``broken``: model.pt is not a TorchScript archive (the server fails to load it);
     ``close``: the seed's model retrained a little (weights within 0.01: the same score distribution, another
-    file; each ``variant`` another retraining); ``shifted``: the seed's model with its bias raised by 1.5 (its scores drift up, its smoke set is its
-    own, so only real traffic against the serving version tells)."""
+    file; each ``variant`` another retraining); ``shifted``: the seed's model with its bias raised by 1.5 (its
+    scores drift up, its smoke set is its own, so only real traffic against the serving version tells)."""
     import torch
 
     directory.mkdir(parents=True)

@@ -111,7 +111,8 @@ def test_a_release_book_counts_generations_records_only_judged_steps_and_survive
     figures = book.figures("m")
     assert figures["generation"] == 2 and figures["release"] == {"stable": 1, "candidate": 2, "mode": CANARY,
                                                                  "share": 10}
-    assert (figures["stable"]["requests"], figures["candidate"]["requests"], figures["candidate"]["errors"]) == (1, 1, 1)
+    stable, candidate = figures["stable"], figures["candidate"]
+    assert (stable["requests"], candidate["requests"], candidate["errors"]) == (1, 1, 1)
     assert figures["candidate"]["scores"] == [0.7] and figures["candidate"]["latencies_ms"] == [9.0]
     assert book.set(Release("m", 1, 2, CANARY, 50)) == 3
     assert book.figures("m")["candidate"]["requests"] == 0  # each step counts from its own generation
