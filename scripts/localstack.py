@@ -949,16 +949,21 @@ def triton_upstream_port() -> int:
     return int(STACK.get("triton_upstream_http_port", STACK["triton_http_port"] + 10))
 
 
+def triton_upstream_grpc_port() -> int:
+    return int(STACK.get("triton_upstream_grpc_port", STACK["triton_grpc_port"] + 10))
+
+
 def start_triton() -> int:
-    """The guard (jobs/tritonguard) on Triton's public HTTP port, supervising tritonserver on a loopback port
-    of its own: a hostile infer request gets a 4xx from the guard, and a dead server is started again."""
+    """The guard (jobs/tritonguard) on Triton's public HTTP and gRPC ports, supervising tritonserver on loopback
+    ports of its own: a hostile infer request gets a 4xx (INVALID_ARGUMENT) from the guard, requests without a
+    version follow the model's release, and a dead server is started again."""
     backends = triton_backend_dir()
     binary = pytriton_dir() / "tritonserver/bin/tritonserver"
     upstream = triton_upstream_port()
     server = [
         str(binary), f"--model-repository={P.storage / 'model-repository'}", "--model-control-mode=explicit",
         "--http-address=127.0.0.1", f"--http-port={upstream}",
-        "--grpc-address=127.0.0.1", f"--grpc-port={STACK['triton_grpc_port']}",
+        "--grpc-address=127.0.0.1", f"--grpc-port={triton_upstream_grpc_port()}",
         "--metrics-address=127.0.0.1", f"--metrics-port={STACK['triton_metrics_port']}",
         f"--backend-directory={backends}", "--exit-timeout-secs=10", "--log-verbose=0",
         # A deploy whose model fails to load must not mark the whole server unready (and pull the versions
@@ -971,6 +976,8 @@ def start_triton() -> int:
     ]
     guard = [str(SERVING_VENV / "bin/python"), "-m", "tritonguard",
              f"--listen=127.0.0.1:{STACK['triton_http_port']}", f"--upstream=http://127.0.0.1:{upstream}",
+             f"--grpc-listen=127.0.0.1:{STACK['triton_grpc_port']}",
+             f"--grpc-upstream=127.0.0.1:{triton_upstream_grpc_port()}",
              f"--admin-listen=127.0.0.1:{STACK['triton_guard_admin_port']}",
              f"--state-file={P.triton / 'releases.json'}"]
     env = dict(triton_env(), PYTHONPATH=str(REPO / "jobs"))

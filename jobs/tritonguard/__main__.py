@@ -1,4 +1,5 @@
-"""python -m tritonguard --listen HOST:PORT --upstream URL [limits] [-- tritonserver ARGS...]
+"""python -m tritonguard --listen HOST:PORT --upstream URL [--grpc-listen HOST:PORT --grpc-upstream HOST:PORT]
+    [--admin-listen HOST:PORT] [--state-file PATH] [limits] [-- tritonserver ARGS...]
 
 With a command after ``--`` the guard also runs that tritonserver and restarts it when it dies (the local stack);
 in containers the runtime's restart policy does that and the guard only guards.
@@ -39,11 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-listen", type=parse_listen, help="HOST:PORT of /metrics and the release API "
                         "(for the deploy operator and Prometheus only, never clients)")
     parser.add_argument("--state-file", type=Path, help="where releases are kept across restarts")
+    parser.add_argument("--grpc-listen", type=parse_listen, help="HOST:PORT of the guarded gRPC front")
+    parser.add_argument("--grpc-upstream", help="Triton's own gRPC endpoint, e.g. 127.0.0.1:8011")
     args = parser.parse_args(argv)
+    if bool(args.grpc_listen) != bool(args.grpc_upstream):
+        parser.error("--grpc-listen and --grpc-upstream go together: the front and the server behind it")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tritonguard %(levelname)s %(message)s")
     guard = Guard(args.upstream.rstrip("/"), Limits(max_input_bytes=args.max_input_bytes),
                   upstream_wait_s=args.upstream_wait_s, releases=ReleaseBook(args.state_file))
-    asyncio.run(serve(guard, *args.listen, args.max_request_bytes, supervise, admin=args.admin_listen))
+    grpc = (*args.grpc_listen, args.grpc_upstream) if args.grpc_listen else None
+    asyncio.run(serve(guard, *args.listen, args.max_request_bytes, supervise, admin=args.admin_listen, grpc=grpc))
     return 0
 
 

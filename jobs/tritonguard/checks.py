@@ -13,10 +13,13 @@ import json
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 # Bytes per element of each KServe v2 datatype; BYTES elements have no fixed size.
 DTYPE_SIZE = {"BOOL": 1, "UINT8": 1, "UINT16": 2, "UINT32": 4, "UINT64": 8, "INT8": 1, "INT16": 2, "INT32": 4,
               "INT64": 8, "FP16": 2, "FP32": 4, "FP64": 8, "BF16": 2, "BYTES": None}
 FLOAT_DTYPES = {"FP16", "FP32", "FP64", "BF16"}
+NUMPY_FLOAT = {"FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
 MAX_RANK = 8
 MAX_INPUTS = 64
 
@@ -224,3 +227,13 @@ def check_request(request: dict, tail: bytes, model: ModelSpec | None, limits: L
         raise RequestRefused(f"the binary part holds {len(tail)} bytes; the inputs' binary_data_size add up to "
                              f"{offset}", reason="shape")
     return binary
+
+
+def first_non_finite(tail: bytes, item: BinaryInput) -> int | None:
+    """Index of the first NaN/inf among a binary float input's values, None when all are finite."""
+    raw = tail[item.offset:item.offset + item.size]
+    if item.datatype == "BF16":  # no numpy dtype: exponent bits all ones is inf or NaN
+        bad = (np.frombuffer(raw, "<u2") & 0x7F80) == 0x7F80
+    else:
+        bad = ~np.isfinite(np.frombuffer(raw, NUMPY_FLOAT[item.datatype]))
+    return int(bad.argmax()) if bad.any() else None

@@ -24,16 +24,15 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
-import numpy as np
 from aiohttp import web
 
 from .checks import (
     FLOAT_DTYPES,
-    BinaryInput,
     Limits,
     ModelSpec,
     RequestRefused,
     check_request,
+    first_non_finite,
     non_finite_message,
     split_body,
 )
@@ -48,20 +47,9 @@ CLOSED = re.compile(r"/v2/(systemsharedmemory|cudasharedmemory)(/.*)?|/v2/models
                     r"generate(_stream)?|/v2/(trace/setting|logging)|/v2/models/[^/]+(/versions/[^/]+)?/trace/setting")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
               "transfer-encoding", "upgrade", "host", "content-length"}
-NUMPY_FLOAT = {"FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
 SPEC_TTL_S = 2.0
 MAX_CACHED_SPECS = 4096  # model names come from clients: a flood of made-up ones must not grow memory
 MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
-
-
-def first_non_finite(tail: bytes, item: BinaryInput) -> int | None:
-    """Index of the first NaN/inf among a binary float input's values, None when all are finite."""
-    raw = tail[item.offset:item.offset + item.size]
-    if item.datatype == "BF16":  # no numpy dtype: exponent bits all ones is inf or NaN
-        bad = (np.frombuffer(raw, "<u2") & 0x7F80) == 0x7F80
-    else:
-        bad = ~np.isfinite(np.frombuffer(raw, NUMPY_FLOAT[item.datatype]))
-    return int(bad.argmax()) if bad.any() else None
 
 
 @dataclass
@@ -379,7 +367,8 @@ async def upstream_live(guard: Guard) -> None:
 
 
 async def serve(guard: Guard, host: str, port: int, max_request_bytes: int, supervise: list[str],
-                admin: tuple[str, int] | None = None) -> None:
+                admin: tuple[str, int] | None = None, grpc: tuple[str, int, str] | None = None) -> None:
+    """``admin``: where /metrics and the release API listen; ``grpc``: (host, port, Triton's own gRPC address)."""
     # Bound at once (a second guard started by mistake fails here, before it starts a second tritonserver) but
     # listening only once the server is ready: until then a client is refused, as by a server still starting,
     # not held and then answered 503.
@@ -402,14 +391,21 @@ async def serve(guard: Guard, host: str, port: int, max_request_bytes: int, supe
         loop.add_signal_handler(sig, stop.set)
     waiting = asyncio.create_task(upstream_live(guard))
     await asyncio.wait([waiting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    front = None
     if not stop.is_set():
         await web.SockSite(runner, sock).start()
         log.info("guard on http://%s:%d in front of %s", host, port, guard.upstream)
+        if grpc:
+            from .grpc_front import GrpcFront
+
+            front = GrpcFront(guard, grpc[2], max_request_bytes)
+            await front.start(grpc[0], grpc[1])
         await stop.wait()
     waiting.cancel()
     log.info("stopping")
     guard.stopping = True
     stopped = [supervisor.stop()] if supervisor else []
+    stopped += [front.stop()] if front else []
     await asyncio.gather(runner.cleanup(), admin_runner.cleanup(), *stopped)
     for task in tasks:
         task.cancel()

@@ -1,10 +1,10 @@
 """Issue 12, Triton: no request takes serving down, and a server that dies anyway comes back by itself.
 
-Against the real local stack: the guard (jobs/tritonguard) on Triton's public HTTP port in front of the bundled
-tritonserver 2.51, which it supervises. Each class of hostile request gets a 4xx (before the guard, a declared
-shape of [2147483648, 30] ended the server with std::bad_alloc); afterwards the same tritonserver process still
-serves the same version READY. Then tritonserver is SIGKILLed under a client loop: it is back, model loaded, with
-the figures printed as ``RELIABILITY`` lines (the README quotes them).
+Against the real local stack: the guard (jobs/tritonguard) on Triton's public HTTP and gRPC ports in front of
+the bundled tritonserver 2.51, which it supervises. Each class of hostile request gets a 4xx or INVALID_ARGUMENT
+(before the guard, a declared shape of [2147483648, 30] ended the server with std::bad_alloc); afterwards the same
+tritonserver process still serves the same version READY. Then tritonserver is SIGKILLed under a client loop: it
+is back, model loaded, with the figures printed as ``RELIABILITY`` lines (the README quotes them).
 """
 
 from __future__ import annotations
@@ -163,26 +163,92 @@ def test_hostile_infer_requests_get_a_4xx_and_the_same_server_keeps_serving(serv
     print(json.dumps(answers, indent=1, default=str))
 
 
-def test_huge_declared_shape_over_grpc_is_refused_by_the_server_itself(served_model):
-    """gRPC does not go through the guard: Triton checks raw tensor bytes against the shape there (measured)."""
+def grpc_request(model: str, shape, raw: bytes | None = None, datatype: str = "FP32", name: str = "INPUT__0",
+                 fp32: list | None = None, int64: list | None = None, version: str = "", **parameters):
+    """A ModelInferRequest built field by field (tritonclient would refuse most of these before sending)."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=model, model_version=version)
+    tensor = request.inputs.add()
+    tensor.name, tensor.datatype = name, datatype
+    tensor.shape.extend(shape)
+    for key, value in parameters.items():
+        tensor.parameters[key].string_param = value
+    if raw is not None:
+        request.raw_input_contents.append(raw)
+    if fp32 is not None:
+        tensor.contents.fp32_contents.extend(fp32)
+    if int64 is not None:
+        tensor.contents.int64_contents.extend(int64)
+    return request
+
+
+def f32(values) -> bytes:
+    return np.array(values, np.float32).tobytes()
+
+
+GRPC_HOSTILE = [
+    # (case, request fields) -> every one INVALID_ARGUMENT or RESOURCE_EXHAUSTED, from the guard
+    ("huge shape raw", dict(shape=[2147483648, N], raw=b"\0" * 32)),
+    ("huge shape 2^62 typed", dict(shape=[2**62, N], fp32=ROW)),
+    ("negative dimension", dict(shape=[-1, N], fp32=ROW)),
+    ("raw size below shape", dict(shape=[1, N], raw=b"\0" * 8)),
+    ("raw size above shape", dict(shape=[1, N], raw=b"\0" * 64)),
+    ("typed values disagree with shape", dict(shape=[2, N], fp32=ROW)),
+    ("wrong input name", dict(shape=[1, N], fp32=ROW, name="X")),
+    ("wrong dtype", dict(shape=[1, N], datatype="INT64", int64=[1] * N)),
+    ("unknown dtype", dict(shape=[1, N], datatype="FP128", raw=b"\0" * 64)),
+    ("wrong feature count", dict(shape=[1, N + 1], fp32=ROW + [0.5])),
+    ("batch over max_batch_size", dict(shape=[257, N], raw=f32(ROW * 257))),
+    ("empty batch", dict(shape=[0, N], raw=b"")),
+    ("NaN typed", dict(shape=[1, N], fp32=[float("nan")] + ROW[1:])),
+    ("NaN raw", dict(shape=[1, N], raw=f32([np.nan] + ROW[1:]))),
+    ("-infinity raw", dict(shape=[1, N], raw=f32(ROW[:-1] + [-np.inf]))),
+    ("version not a number", dict(shape=[1, N], fp32=ROW, version="../1")),
+    ("shared memory input", dict(shape=[1, N], shared_memory_region="secrets")),
+]
+
+
+def test_hostile_grpc_requests_are_refused_by_the_guard_and_the_same_server_keeps_serving(served_model):
+    """The guard's gRPC front checks what its HTTP side checks; RPCs no client of the suite needs are closed."""
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     pid = tritonserver_pid()
     channel = grpc.insecure_channel(f"127.0.0.1:{localstack.STACK['triton_grpc_port']}")
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-    for shape, raw in (([2147483648, N], b"\0" * 32), ([1, N], b"\0" * 8)):
-        request = service_pb2.ModelInferRequest(model_name=served_model)
-        tensor = request.inputs.add()
-        tensor.name, tensor.datatype = "INPUT__0", "FP32"
-        tensor.shape.extend(shape)
-        request.raw_input_contents.append(raw)
+    answers = {}
+    for case, fields in GRPC_HOSTILE:
         with pytest.raises(grpc.RpcError) as refused:
-            stub.ModelInfer(request, timeout=30)
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    channel.close()
+            stub.ModelInfer(grpc_request(served_model, **fields), timeout=30)
+        answers[case] = (refused.value.code().name, refused.value.details())
+        assert refused.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), \
+            f"{case}: {answers[case]}"
+    assert "NaN or infinity" in answers["NaN typed"][1]  # Triton itself would answer NaN for this row
+    garbage = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    with pytest.raises(grpc.RpcError) as refused:
+        garbage(b"\xff\xff\xff\xff not a protobuf", timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for call, request in ((stub.SystemSharedMemoryRegister, service_pb2.SystemSharedMemoryRegisterRequest(
+            name="x", key="/dev/shm/x", byte_size=1 << 30)), (stub.TraceSetting, service_pb2.TraceSettingRequest()),
+            (stub.LogSettings, service_pb2.LogSettingsRequest()),
+            (stub.CudaSharedMemoryStatus, service_pb2.CudaSharedMemoryStatusRequest())):
+        with pytest.raises(grpc.RpcError) as refused:
+            call(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.ModelStreamInfer(iter([grpc_request(served_model, shape=[1, N], fp32=ROW)]), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "ModelInfer" in refused.value.details()
+    # The same process, the model READY through the front, and valid requests answered (typed and raw).
     assert tritonserver_pid() == pid
-    assert get_status(f"/v2/models/{served_model}/versions/1/ready") == 200
+    assert stub.ModelReady(service_pb2.ModelReadyRequest(name=served_model, version="1"), timeout=30).ready
+    for fields in (dict(fp32=ROW * 2), dict(raw=f32(ROW * 2))):
+        answer = stub.ModelInfer(grpc_request(served_model, shape=[2, N], **fields), timeout=30)
+        assert answer.model_version == "1" and len(answer.raw_output_contents[0]) == 2 * 4
+    channel.close()
+    report("triton_hostile_grpc_requests", classes=len(GRPC_HOSTILE) + 6, server_errors=0, server_restarts=0)
+    print(json.dumps(answers, indent=1))
 
 
 def test_tritonserver_killed_under_load_comes_back_with_the_model(served_model):

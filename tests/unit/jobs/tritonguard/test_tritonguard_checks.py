@@ -8,8 +8,8 @@ import struct
 
 import numpy as np
 import pytest
-from tritonguard.checks import Limits, ModelSpec, RequestRefused, check_request, split_body
-from tritonguard.server import CLOSED, INFER, first_non_finite
+from tritonguard.checks import Limits, ModelSpec, RequestRefused, check_request, first_non_finite, split_body
+from tritonguard.server import CLOSED, INFER
 
 MODEL = ModelSpec.from_config({
     "max_batch_size": 256,
