@@ -474,12 +474,17 @@ def test_compose_triton_serves_explicit_model_repository():
     assert triton["image"].startswith("nvcr.io/nvidia/tritonserver:")
 
 
-def test_compose_triton_http_is_reached_only_through_the_guard():
+def test_compose_triton_http_and_grpc_are_reached_only_through_the_guard():
     guard, triton = SERVICES["triton-guard"], SERVICES["triton"]
-    assert "--upstream=http://triton:8000" in guard["command"]
-    assert any(str(p).endswith(":8000:8000") for p in guard["ports"])
-    assert not any(str(p).endswith(":8000") for p in triton.get("ports", []))
-    assert _connection("AIRFLOW_CONN_TRITON_DEFAULT")["host"] == "triton-guard"
+    assert {"--upstream=http://triton:8000", "--grpc-upstream=triton:8001"} <= set(guard["command"])
+    assert {"127.0.0.1:8000:8000", "127.0.0.1:8001:8001", "127.0.0.1:8003:8003"} <= set(guard["ports"])
+    assert not any(str(p).endswith((":8000", ":8001")) for p in triton.get("ports", []))
+    connection = _connection("AIRFLOW_CONN_TRITON_DEFAULT")
+    assert connection["host"] == "triton-guard"
+    assert connection["extra"] == {"protocol": "http", "grpc_port": 8001, "guard_port": 8003}
+    # Releases outlive a restarted guard: its state file lies on a volume.
+    state = next(arg.split("=", 1)[1] for arg in guard["command"] if arg.startswith("--state-file="))
+    assert any(str(volume).endswith(":" + state.rsplit("/", 1)[0]) for volume in guard["volumes"])
     assert guard["restart"] == triton["restart"] == "always"
     assert guard["depends_on"]["triton"]["condition"] == "service_healthy"
 
