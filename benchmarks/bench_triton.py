@@ -11,8 +11,12 @@ Client: tritonclient on the same 2 cores as the server, binary tensors, the requ
 - aio: the asyncio clients with ``AIO_CONCURRENCY`` requests in flight (the deploy's latency gate's client):
   HTTP bs1 req/s, HTTP and gRPC bs64 rows/s (dynamic batching merges the requests queued meanwhile);
 - inprocess: the same model.pt with torch.jit.load, 1 thread (the server's setting), bs1 and bs64.
-- http_direct: the same HTTP requests straight to tritonserver's own port, bypassing the guard (jobs/tritonguard)
-  that fronts Triton's public HTTP port: ``guard_overhead_bs1_p50_ms`` is what the guard's checks and hop cost.
+- http_direct, grpc_direct: the same requests straight to tritonserver's own ports, bypassing the guard
+  (jobs/tritonguard) that fronts Triton's public HTTP and gRPC ports: ``guard_overhead_bs1_p50_ms`` and
+  ``grpc_guard_overhead_bs1_p50_ms`` are what the guard's checks and hop cost (target <= 0.5 ms each);
+- canary: a second version loaded beside, the guard's release at a 10% canary, ``CANARY_REQUESTS`` unversioned
+  requests on each protocol: ``canary_split_error_pp`` is how far the candidate's share lands from 10%
+  (percentage points, the worse protocol).
 Ratios: in-process rows/s over served rows/s at bs64 (how much the network path costs).
 Targets (shared/notes/local-triton.md, the bundled binary here): HTTP bs1 p50 <= 0.55 ms, p99 <= 0.73 ms,
 HTTP bs64 >= 126k rows/s, gRPC bs64 >= 78k rows/s (gRPC bs1 p99 <= 1.21 ms).
@@ -37,6 +41,8 @@ BS64_REQUESTS = 1000
 AIO_REQUESTS = 2000
 AIO_CONCURRENCY = 4
 WARMUP = 200
+CANARY_REQUESTS = 2000
+CANARY_SHARE = 10
 
 
 def stack_environment() -> None:
@@ -49,14 +55,14 @@ def stack_environment() -> None:
             os.environ.setdefault(key, value)
 
 
-def export_model(directory: Path) -> Path:
+def export_model(directory: Path, seed: int = 0) -> Path:
     """An export dir like jobs/hybridtrain/export.py writes, from the real model classes (random weights)."""
     import numpy as np
     import torch
     from hybridtrain.config import ModelSpec
     from hybridtrain.model import ProbabilityModel, Standardize, build_network
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     network = build_network(N_FEATURES, ModelSpec(hidden_sizes=(128, 64), dropout=0.1, preset="small"))
     rng = np.random.default_rng(0)
     model = ProbabilityModel(Standardize(rng.normal(size=N_FEATURES), rng.uniform(0.5, 2, size=N_FEATURES)), network)
@@ -109,15 +115,45 @@ def sequential(call, requests: int) -> tuple[list[float], float]:
     return latencies, time.perf_counter() - started
 
 
-def upstream_url() -> str:
-    """tritonserver's own HTTP endpoint behind the guard (the local profile's loopback port)."""
+def upstream_url(protocol: str) -> str:
+    """tritonserver's own HTTP or gRPC endpoint behind the guard (the local profile's loopback ports)."""
     profile = json.loads(Path(os.environ.get("HYBRIDFLOW_PROFILE", REPO / "include/profiles/local.json")).read_text())
     stack = profile["stack"]
-    return f"127.0.0.1:{stack.get('triton_upstream_http_port', stack['triton_http_port'] + 10)}"
+    public = stack[f"triton_{protocol}_port"]
+    return f"127.0.0.1:{stack.get(f'triton_upstream_{protocol}_port', public + 10)}"
 
 
-def served(name: str, url: str, protocol: str, batch) -> callable:
-    """One prepared request; the call sends it and reads the output (binary tensors on HTTP)."""
+def canary_split(name: str, hook, export_dir: Path, version: int, batch) -> dict:
+    """A second version beside ``version``, a 10% canary on the guard, and where unversioned requests land."""
+    from hybridflow.config import ReleaseConfig, load_pipeline_config
+    from hybridflow.operators.triton import TritonDeployOperator, serving_kwargs
+    from hybridflow.utils.triton import VersionRecord, read_export
+
+    operator = TritonDeployOperator(task_id="bench", export_dir=str(export_dir), release=ReleaseConfig("direct"),
+                                    **{**serving_kwargs(load_pipeline_config().serving), "model_name": name})
+    bundle = read_export(export_dir)
+    candidate = version + 1
+    operator.repo.publish_version(name, candidate, bundle.version_files(), VersionRecord(
+        version=candidate, sha256=bundle.sha256, n_features=N_FEATURES, source=str(export_dir),
+        published_at=time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())))
+    operator.serve_versions(N_FEATURES, (version, candidate))
+    hook.set_release(name, version, candidate, mode="canary", share=CANARY_SHARE)
+    figures = {}
+    for protocol, url in (("http", hook.http_url), ("grpc", hook.grpc_url)):
+        call = served(name, url, protocol, batch, answer=True)
+        answered = [call() for _ in range(CANARY_REQUESTS)]
+        call.client.close()
+        share = 100 * answered.count(str(candidate)) / CANARY_REQUESTS
+        figures[f"canary_{protocol}_candidate_share_pct"] = round(share, 2)
+    figures["canary_split_error_pp"] = round(max(abs(figures[f"canary_{p}_candidate_share_pct"] - CANARY_SHARE)
+                                                 for p in ("http", "grpc")), 2)
+    hook.clear_release(name)
+    return figures
+
+
+def served(name: str, url: str, protocol: str, batch, answer: bool = False) -> callable:
+    """One prepared request; the call sends it and reads the output (binary tensors on HTTP), or with ``answer``
+    returns the version that answered."""
     if protocol in ("http", "http_direct"):
         import tritonclient.http as module
 
@@ -134,7 +170,11 @@ def served(name: str, url: str, protocol: str, batch) -> callable:
         outputs = [module.InferRequestedOutput("OUTPUT__0")]
 
     def call():
-        return client.infer(name, [data], outputs=outputs).as_numpy("OUTPUT__0")
+        result = client.infer(name, [data], outputs=outputs)
+        if answer:
+            response = result.get_response()
+            return response["model_version"] if isinstance(response, dict) else response.model_version
+        return result.as_numpy("OUTPUT__0")
 
     call.client = client
     return call
@@ -164,7 +204,8 @@ def main() -> dict:
             figures["deploy"] = {k: report[k] for k in ("version", "promoted", "load_s", "smoke", "latency")}
             print(f"deployed {name} version {report['version']}: load {report['load_s']} s, gate "
                   f"p99 {report['latency']['p99_ms']} ms", flush=True)
-            for protocol, url in (("http", hook.http_url), ("http_direct", upstream_url()), ("grpc", hook.grpc_url)):
+            for protocol, url in (("http", hook.http_url), ("http_direct", upstream_url("http")),
+                                  ("grpc", hook.grpc_url), ("grpc_direct", upstream_url("grpc"))):
                 call = served(name, url, protocol, bs1)
                 np.testing.assert_allclose(call(), torch.jit.load(str(export_dir / "model.pt"))(
                     torch.from_numpy(bs1)).detach().numpy(), atol=1e-5)
@@ -190,6 +231,10 @@ def main() -> dict:
                     name, report["version"], bs64.tolist(), concurrency=AIO_CONCURRENCY, requests=BS64_REQUESTS,
                     batch_size=64)
                 figures[f"{protocol}_aio_bs64_rows_per_s"] = round(aio.throughput_rps * 64)
+            figures.update(canary_split(name, hook, export_model(Path(tmp) / "candidate", seed=1),
+                                        report["version"], bs1))
+            print(f"canary at {CANARY_SHARE}%: HTTP {figures['canary_http_candidate_share_pct']}%, gRPC "
+                  f"{figures['canary_grpc_candidate_share_pct']}% to the candidate", flush=True)
         finally:
             hook.unload_model(name)
             hook.close()
@@ -208,9 +253,12 @@ def main() -> dict:
     figures["inprocess_over_http_bs64"] = round(inprocess / figures["http_bs64_rows_per_s"], 1)
     figures["inprocess_over_grpc_bs64"] = round(inprocess / figures["grpc_bs64_rows_per_s"], 1)
     figures["guard_overhead_bs1_p50_ms"] = round(figures["http_bs1_p50_ms"] - figures["http_direct_bs1_p50_ms"], 3)
+    figures["grpc_guard_overhead_bs1_p50_ms"] = round(figures["grpc_bs1_p50_ms"] - figures["grpc_direct_bs1_p50_ms"],
+                                                      3)
     figures["http_over_inprocess_bs1_p50"] = round(figures["http_bs1_p50_ms"] / figures["inprocess_bs1_p50_ms"], 1)
     keys = ("http_bs1_p50_ms", "http_bs1_p99_ms", "http_direct_bs1_p50_ms", "http_direct_bs64_rows_per_s",
-            "guard_overhead_bs1_p50_ms", "grpc_bs1_p50_ms", "grpc_bs1_p99_ms", "http_bs64_rows_per_s",
+            "guard_overhead_bs1_p50_ms", "grpc_bs1_p50_ms", "grpc_bs1_p99_ms", "grpc_direct_bs1_p50_ms",
+            "grpc_guard_overhead_bs1_p50_ms", "canary_split_error_pp", "http_bs64_rows_per_s",
             "grpc_bs64_rows_per_s", "inprocess_bs1_p50_ms", "inprocess_bs64_rows_per_s", "http_aio_bs1_req_per_s",
             "http_aio_bs64_rows_per_s", "grpc_aio_bs64_rows_per_s",
             "inprocess_over_http_bs64", "inprocess_over_grpc_bs64")

@@ -6,8 +6,13 @@
 
 Makes sure the cluster preflight (all-reduce benchmark) is fresh, triggers `nightly_training`, prints one line
 per task state change, and ends with a summary: rows, holdout metrics, checkpoint, the model version Triton
-serves with a sample realtime prediction and its latency, the report, and the UI URL and login. Exits non-zero
-when a run fails. `make demo` runs it after `make up`; the stack keeps running until `make down`.
+serves with a sample realtime prediction and its latency, the release's phases (shadow, canary steps, with the
+figures each was judged on), the report, and the UI URL and login. Exits non-zero when a run fails.
+
+While the nightly runs, a client keeps asking Triton for the model it serves (random rows, about 40 requests per
+second): the traffic a progressive release judges a new version on. On a stack serving no version yet, the first
+deploy has nothing to compare against and is promoted after its gates. `make demo` runs it after `make up`; the
+stack keeps running until `make down`.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
+import threading
 import time
+import urllib.request
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
@@ -24,6 +32,56 @@ from airflow_api import STATE, AirflowApi, local_api, trigger
 
 NIGHTLY = "nightly_training"
 DEMO_GPUS = 2
+TRITON = "http://127.0.0.1:8000"
+
+
+class Traffic(threading.Thread):
+    """Unversioned requests for ``model`` with random rows, until stopped; counts answers per version."""
+
+    def __init__(self, model: str):
+        super().__init__(daemon=True)
+        self.model, self.stopped, self.answers, self.failed = model, threading.Event(), {}, 0
+
+    def run(self) -> None:
+        rows = random.Random(0)
+        while not self.stopped.wait(0.025):
+            try:
+                with urllib.request.urlopen(f"{TRITON}/v2/models/{self.model}/config", timeout=5) as page:
+                    n_features = json.load(page)["input"][0]["dims"][-1]
+            except (OSError, ValueError, KeyError, IndexError):
+                continue  # no model served yet: nothing to ask
+            body = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, n_features],
+                                           "data": [rows.gauss(0, 1) for _ in range(n_features)]}]}).encode()
+            for _ in range(200):  # the config read once per 200 requests: a new version may change it
+                if self.stopped.wait(0.02):
+                    return
+                try:
+                    request = urllib.request.Request(f"{TRITON}/v2/models/{self.model}/infer", data=body)
+                    with urllib.request.urlopen(request, timeout=30) as answer:
+                        version = json.load(answer)["model_version"]
+                    self.answers[version] = self.answers.get(version, 0) + 1
+                except (OSError, ValueError, KeyError):
+                    self.failed += 1
+                    break
+
+
+def release_lines(deploy: dict) -> list[str]:
+    """The release's phases as the deploy judged them."""
+    release = deploy.get("release") or {}
+    if not release:
+        return [f"release: version {deploy.get('version')} promoted after its gates (no version served before it, "
+                "or serving.release.strategy: direct)"] if deploy.get("promoted") else []
+    lines = []
+    for step in release.get("steps") or []:
+        figures = step.get("figures") or {}
+        phase = "shadow" if step["mode"] == "shadow" else f"canary {step['share']}%"
+        shown = ", ".join(f"{k} {figures[k]}" for k in ("requests", "stable_requests", "error_rate", "p99_ms",
+                                                          "stable_p99_ms", "mean_shift", "psi") if k in figures)
+        lines.append(f"release: {phase}: {step['outcome']} after {step.get('seconds')} s ({shown})"
+                     + (f"; {'; '.join(step['reasons'])}" if step.get("reasons") else ""))
+    if release.get("no_traffic"):
+        lines.append("release: too little traffic to judge: promoted on the gates (serving.release.no_traffic)")
+    return lines
 
 
 def follow(api: AirflowApi, dag_id: str, run_id: str, timeout_s: float) -> str:
@@ -138,6 +196,7 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
         lines.append(f"serving: Triton model {deploy.get('model')} version {deploy.get('version')} "
                      f"(promoted={deploy.get('promoted')}), gate p50 {latency.get('p50_ms')} ms, p99 "
                      f"{latency.get('p99_ms')} ms; serves {deploy.get('model_uri') or 'no registry version'}")
+        lines.extend(release_lines(deploy))
     if scoring and scoring.get("export_dir"):
         try:
             lines.append("realtime: " + sample_prediction(deploy.get("model") or "propensity", scoring["export_dir"]))
@@ -174,12 +233,20 @@ def main(argv: list[str] | None = None) -> int:
         now = datetime.now(UTC)
         logical_date = datetime(ds.year, ds.month, ds.day, now.hour, now.minute, now.second, now.microsecond,
                                 tzinfo=UTC).isoformat()
-    run_id, state = run_dag(api, args.dag, conf, args.timeout, logical_date)
+    traffic = Traffic(os.environ.get("HYBRIDFLOW_DEMO_MODEL", "propensity"))
+    if args.dag == NIGHTLY:
+        traffic.start()
+    try:
+        run_id, state = run_dag(api, args.dag, conf, args.timeout, logical_date)
+    finally:
+        traffic.stopped.set()
     print()
     print(f"{args.dag}: {state.upper()} in {time.monotonic() - t0:.0f} s")
     if args.dag == NIGHTLY:
         for line in nightly_summary(api, run_id, storage_root):
             print(f"  {line}")
+        answered = ", ".join(f"version {v}: {n}" for v, n in sorted(traffic.answers.items())) or "none"
+        print(f"  client during the run: answers by {answered}; {traffic.failed} failed")
     print(f"UI: {api.base_url}/dags/{args.dag}/runs/{run_id}  (login admin, password in "
           f"{os.path.relpath(STATE / 'airflow' / 'passwords.json')})")
     print("The stack keeps running; `make down` stops it.")

@@ -254,16 +254,25 @@ class TaskInstanceStub:
 
 
 def test_deploy_from_an_s3_repository_to_a_server_reading_it(s3_triton, tmp_path):
+    from hybridflow.config import ReleaseConfig
     from hybridflow.operators.triton import TritonDeployOperator
 
-    def run(export_dir: Path) -> dict:
+    def run(export_dir: Path, release: ReleaseConfig) -> dict:
         operator = TritonDeployOperator(
             task_id="deploy", export_dir=str(export_dir), model_name="s3model", repository=s3_triton,
-            triton_conn_id="triton_s3", storage_conn_id="storage_s3", deferrable=False, gate_requests=100)
+            triton_conn_id="triton_s3", storage_conn_id="storage_s3", deferrable=False, gate_requests=100,
+            release=release)
         return operator.execute({"ti": TaskInstanceStub()})
 
-    assert run(make_export(tmp_path / "e1", 31))["version"] == 1
-    report = run(make_export(tmp_path / "e2", 32))
+    # This server has no guard in front (its connection names no guard_port): a progressive release, which needs
+    # the guard to split traffic, is refused before anything is published, naming the fix.
+    with pytest.raises(Exception, match="names no guard_port .* or use strategy: direct") as refused:
+        run(make_export(tmp_path / "e0", 30), ReleaseConfig())
+    assert type(refused.value).__name__ == "AirflowFailException"
+    direct = ReleaseConfig(strategy="direct")
+
+    assert run(make_export(tmp_path / "e1", 31), direct)["version"] == 1
+    report = run(make_export(tmp_path / "e2", 32), direct)
     assert (report["version"], report["previous_version"], report["promoted"]) == (2, 1, True)
     assert report["latency"]["failed"] == 0
     hook = TritonHook("triton_s3")
