@@ -5,6 +5,7 @@ shifted scores and a slow one are rolled back, a good one is promoted, and no cl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
@@ -26,12 +27,14 @@ from helpers.triton_models import (
     tiny_model,
 )
 from hybridflow.config import ReleaseConfig
+from hybridflow.hooks.model_repository import LocalModelRepository
 from hybridflow.hooks.triton import TritonHook
 from hybridflow.operators.triton import TritonDeployOperator
-from hybridflow.utils.triton import VersionRecord, VersionStatus, read_export
+from hybridflow.utils.triton import Repository, VersionRecord, VersionStatus, read_export
 from prometheus_client.parser import text_string_to_metric_families
 
 GUARD_ADMIN = "http://127.0.0.1:8003"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def publish_and_serve(repository: str, model: str, exports: dict[int, Path]) -> None:
@@ -246,3 +249,35 @@ def test_progressive_deploys_roll_back_a_shifted_and_a_slow_candidate_and_promot
     during_good = [e[2] for e in events if start <= e[0] <= end]
     assert "4" in during_good and "1" in during_good  # the canary split, then the promotion
     assert len(events) > 500
+
+
+def test_oncall_rollback_ends_a_canary_at_once_and_the_step_judging_it_stops(run_dag, stack, repository, tmp_path):
+    """Mid-canary, the on-call DAG sends every unversioned request back to the stable version and unloads the
+    candidate; the trigger judging the step reports the release changed under it (the deploy then stops)."""
+    from hybridflow.triggers.triton import TritonReleaseStepTrigger
+    from hybridflow.utils.release import StepThresholds
+
+    model = f"t_oncall_{uuid.uuid4().hex[:8]}"
+    hook = TritonHook("triton_default")
+    try:
+        publish_and_serve(repository, model, {1: make_export(tmp_path / "v1", 1), 2: make_export(tmp_path / "v2", 2)})
+        generation = hook.set_release(model, 1, 2, mode="canary", share=50)["generation"]
+        step = TritonReleaseStepTrigger("triton_default", model, generation, vars(StepThresholds(min_requests=10**6)),
+                                        min_window_s=0, timeout_s=600, poll_interval_s=0.5)
+        with ThreadPoolExecutor(1) as pool:
+            judged = pool.submit(asyncio.run, step.wait())
+            rollback = run_dag((REPO / "dags" / "oncall_rollback_model.py").read_text(), "oncall_rollback_model",
+                               conf={"model_name": model})
+            event = judged.result(timeout=60)
+        assert rollback["state"] == "success", rollback["log"][-4000:]
+        assert rollback["tasks"]["plan"]["xcom"]["return_value"] == {"model": model, "version": 1,
+                                                                      "from_version": 2}
+        assert hook.release(model)["release"] == {"stable": 1, "candidate": None, "mode": "stable", "share": 0}
+        assert ready_versions(model) == [1]
+        assert LocalModelRepository(Repository.parse(repository)).records(model)[2].status \
+            is VersionStatus.ROLLED_BACK
+        assert {infer(model, np.ones((1, N_FEATURES), np.float32))[0] for _ in range(20)} == {"1"}
+        assert event["status"] == "superseded" and f"generation {generation} ->" in event["message"]
+    finally:
+        hook.close()
+        remove_model(repository, model)
