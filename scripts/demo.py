@@ -9,10 +9,10 @@ per task state change, and ends with a summary: rows, holdout metrics, checkpoin
 serves with a sample realtime prediction and its latency, the release's phases (shadow, canary steps, with the
 figures each was judged on), the report, and the UI URL and login. Exits non-zero when a run fails.
 
-While the nightly runs, a client keeps asking Triton for the model it serves (random rows, about 40 requests per
-second): the traffic a progressive release judges a new version on. On a stack serving no version yet, the first
-deploy has nothing to compare against and is promoted after its gates. `make demo` runs it after `make up`; the
-stack keeps running until `make down`.
+While the nightly runs, a client keeps asking Triton for the model it serves (rows of the served version's smoke
+set, perturbed; about 40 requests per second): the traffic a progressive release judges a new version on. On a
+stack serving no version yet, the first deploy has nothing to compare against and is promoted after its gates.
+`make demo` runs it after `make up`; the stack keeps running until `make down`.
 """
 
 from __future__ import annotations
@@ -36,25 +36,35 @@ TRITON = "http://127.0.0.1:8000"
 
 
 class Traffic(threading.Thread):
-    """Unversioned requests for ``model`` with random rows, until stopped; counts answers per version."""
+    """Unversioned requests for ``model`` until stopped, counting answers per version: rows of the served
+    version's smoke set (real feature rows of its export), each slightly perturbed."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, repository: Path):
         super().__init__(daemon=True)
-        self.model, self.stopped, self.answers, self.failed = model, threading.Event(), {}, 0
+        self.model, self.repository = model, repository
+        self.stopped, self.answers, self.failed = threading.Event(), {}, 0
+
+    def rows(self) -> list[list[float]]:
+        versions = sorted((p for p in (self.repository / self.model).glob("[0-9]*/smoke.json")),
+                          key=lambda p: int(p.parent.name))
+        return json.loads(versions[-1].read_text())["inputs"] if versions else []
 
     def run(self) -> None:
-        rows = random.Random(0)
+        noise = random.Random(0)
         while not self.stopped.wait(0.025):
             try:
-                with urllib.request.urlopen(f"{TRITON}/v2/models/{self.model}/config", timeout=5) as page:
-                    n_features = json.load(page)["input"][0]["dims"][-1]
-            except (OSError, ValueError, KeyError, IndexError):
-                continue  # no model served yet: nothing to ask
-            body = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, n_features],
-                                           "data": [rows.gauss(0, 1) for _ in range(n_features)]}]}).encode()
-            for _ in range(200):  # the config read once per 200 requests: a new version may change it
+                rows = self.rows()
+            except (OSError, ValueError, KeyError):
+                rows = []
+            if not rows:
+                self.stopped.wait(5)  # nothing served yet: look again later
+                continue
+            for _ in range(400):  # the rows read again now and then: a new version may take other features
                 if self.stopped.wait(0.02):
                     return
+                row = [value + noise.gauss(0, 0.1) for value in noise.choice(rows)]
+                body = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, len(row)],
+                                               "data": row}]}).encode()
                 try:
                     request = urllib.request.Request(f"{TRITON}/v2/models/{self.model}/infer", data=body)
                     with urllib.request.urlopen(request, timeout=30) as answer:
@@ -233,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         now = datetime.now(UTC)
         logical_date = datetime(ds.year, ds.month, ds.day, now.hour, now.minute, now.second, now.microsecond,
                                 tzinfo=UTC).isoformat()
-    traffic = Traffic(os.environ.get("HYBRIDFLOW_DEMO_MODEL", "propensity"))
+    traffic = Traffic(os.environ.get("HYBRIDFLOW_DEMO_MODEL", "propensity"), Path(storage_root) / "model-repository")
     if args.dag == NIGHTLY:
         traffic.start()
     try:

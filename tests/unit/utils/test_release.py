@@ -77,6 +77,21 @@ def test_psi_is_zero_for_one_distribution_and_grows_with_the_shift():
     assert math.isfinite(psi(base, [0.0] * 100, edges))
 
 
+def test_bunched_stable_scores_are_judged_by_the_mean_shift_alone():
+    bunched = [0.5 + i * 1e-6 for i in range(1000)]  # every stable score within 0.001
+    assert decile_edges(bunched) == [bunched[99]]  # the other deciles lie closer than MIN_BIN_WIDTH to it
+    # Over raw deciles a nudge nobody acts on reads as a huge PSI (measured on the demo: 1.68 for a shift of 0.0017).
+    nudged = [score + 0.0017 for score in bunched]
+    assert psi(bunched, nudged, decile_edges(bunched, min_gap=0)) > 1
+    latencies = [1.0] * 1000
+    verdict = judge(VersionFigures(1000, 0, latencies, bunched), VersionFigures(1000, 0, latencies, nudged), LIMITS)
+    assert verdict.outcome == PASS and verdict.figures["psi"] is None
+    assert verdict.figures["mean_shift"] == pytest.approx(0.0017)
+    moved = [score + 0.1 for score in bunched]  # a real shift still fails, on the mean
+    verdict = judge(VersionFigures(1000, 0, latencies, bunched), VersionFigures(1000, 0, latencies, moved), LIMITS)
+    assert verdict.outcome == FAIL and verdict.reasons == ("mean score shift 0.1000 > 0.05",)
+
+
 @pytest.mark.parametrize(("values", "q", "expected"), [
     ([], 99, math.nan), ([5.0], 99, 5.0), (list(range(1, 101)), 99, 99), (list(range(1, 101)), 100, 100),
     ([3.0, 1.0, 2.0], 50, 2.0), (list(range(1, 11)), 10, 1),
