@@ -232,7 +232,6 @@ class Guard:
                         status=503, headers={"Retry-After": "1"})
                 await asyncio.sleep(0.1)
 
-
     # ------------------------------------------------------------------ the admin port: metrics and releases
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": "text/plain; version=0.0.4"})
