@@ -27,6 +27,7 @@ from hybridflow.exceptions import ConfigError
 from hybridflow.layout import StorageLayout
 from hybridflow.paths import include_dir
 from hybridflow.utils.mlflow_tracking import validate_experiment_name
+from hybridflow.utils.release import StepThresholds, canary_steps
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 # ZeRO stages with a DeepSpeed config in include/deepspeed/zero<stage>.json.
@@ -186,7 +187,7 @@ NO_TRAFFIC_POLICIES = ("wait", "promote", "fail")
 
 
 @dataclass(frozen=True)
-class ReleaseConfig:
+class ReleaseConfig(StepThresholds):
     """How a new version meets real traffic once it passed the smoke set and the latency gate.
 
     ``progressive``: the guard copies unversioned requests to it (shadow, ``shadow_s``; 0 skips it), then sends it
@@ -203,21 +204,12 @@ class ReleaseConfig:
     step_min_s: float = 60.0
     step_timeout_s: float = 900.0
     no_traffic: str = "fail"
-    min_requests: int = 200
-    max_error_rate: float = 0.01
-    max_p99_ms: float = 50.0
-    max_mean_shift: float = 0.05
-    max_psi: float = 0.2
 
-    def thresholds(self):
-        from hybridflow.utils.release import StepThresholds
-
-        return StepThresholds(min_requests=self.min_requests, max_error_rate=self.max_error_rate,
-                              max_p99_ms=self.max_p99_ms, max_mean_shift=self.max_mean_shift, max_psi=self.max_psi)
+    def thresholds(self) -> StepThresholds:
+        """What the step trigger judges with (its arguments must stay plain)."""
+        return StepThresholds(**{f.name: getattr(self, f.name) for f in fields(StepThresholds)})
 
     def validate(self, where: str) -> None:
-        from hybridflow.utils.release import canary_steps
-
         if self.strategy not in RELEASE_STRATEGIES:
             raise ConfigError(f"{where}.strategy: {self.strategy!r}; choose {' or '.join(RELEASE_STRATEGIES)}")
         if self.no_traffic not in NO_TRAFFIC_POLICIES:
@@ -232,7 +224,7 @@ class ReleaseConfig:
         if self.step_min_s > self.step_timeout_s:
             raise ConfigError(f"{where}.step_min_s: {self.step_min_s} is over step_timeout_s {self.step_timeout_s}; "
                               "a step could never pass")
-        self.thresholds().validate(where)
+        super().validate(where)
 
 
 @dataclass(frozen=True)
