@@ -237,3 +237,13 @@ def first_non_finite(tail: bytes, item: BinaryInput) -> int | None:
     else:
         bad = ~np.isfinite(np.frombuffer(raw, NUMPY_FLOAT[item.datatype]))
     return int(bad.argmax()) if bad.any() else None
+
+
+def check_infer_request(request: dict, tail: bytes, model: ModelSpec | None, limits: Limits = Limits()) -> None:
+    """Everything the guard checks of one infer request, whichever protocol brought it: :func:`check_request`,
+    then NaN/infinity among binary float values."""
+    for item in check_request(request, tail, model, limits):
+        if item.datatype in FLOAT_DTYPES:
+            bad = first_non_finite(tail, item)
+            if bad is not None:
+                raise RequestRefused(non_finite_message(item.name, bad), reason="non_finite")

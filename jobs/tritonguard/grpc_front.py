@@ -19,8 +19,8 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from .checks import FLOAT_DTYPES, RequestRefused, check_request, first_non_finite, non_finite_message
-from .release import SCORE_DTYPES, STABLE, route
+from .checks import RequestRefused, check_infer_request
+from .release import SCORE_DTYPES, route
 
 if TYPE_CHECKING:
     from .server import Guard
@@ -104,12 +104,12 @@ class GrpcFront:
 
     def closed(self, name: str):
         async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            self.guard.metrics.refused("-", "grpc", "closed")
+            self.guard.count_refusal(None, "grpc", "closed")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name} is not served on this port")
         return refuse
 
     async def stream_refused(self, requests, context: grpc.aio.ServicerContext):
-        self.guard.metrics.refused("-", "grpc", "closed")
+        self.guard.count_refusal(None, "grpc", "closed")
         await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                             "ModelStreamInfer is not served on this port; send each request with ModelInfer")
         yield b""  # never reached: makes this an async generator, as a stream handler must be
@@ -125,32 +125,22 @@ class GrpcFront:
             if requested and not requested.isdigit():
                 raise RequestRefused(f"model_version {requested[:40]!r}: give a version number, or none",
                                      reason="shape")
-            spec = await guard.model_spec(model, requested or None)
             header, tail = as_kserve(request)
-            for item in check_request(header, tail, spec, guard.limits):
-                if item.datatype in FLOAT_DTYPES:
-                    bad = first_non_finite(tail, item)
-                    if bad is not None:
-                        raise RequestRefused(non_finite_message(item.name, bad), reason="non_finite")
+            check_infer_request(header, tail, await guard.model_spec(model, requested or None), guard.limits)
         except RequestRefused as exc:
             return await self.refuse(context, model, exc)
+        version = int(requested) if requested else None
         release = guard.releases.get(model)
-        target = route(release, int(requested) if requested else None) if release else None
-        if target is not None and not requested:
+        target = route(release, version) if release else None
+        if target is not None and version is None:
             request.model_version = str(target.version)
             payload = request.SerializeToString()
         started = time.perf_counter()
         answer, error = await self.forward(payload, context)
-        elapsed = time.perf_counter() - started
-        label = guard.model_label(model)
-        answered = target.version if target else requested or None
-        version = "unknown" if label == "unknown" else str(answered) if answered else "default"
-        guard.metrics.observe(label, version, "grpc", elapsed, error is not None)
-        if release is not None and release.mode != STABLE and not requested:
-            scores = None if error else scores_of(pb.ModelInferResponse.FromString(answer))
-            guard.releases.record(model, target.version, elapsed * 1000, scores, error is not None)
-            if target.shadow is not None:
-                self.spawn_shadow(request, target.shadow, context)
+        guard.count_answer(model, "grpc", release, target, version, time.perf_counter() - started,
+                           error is not None, lambda: scores_of(pb.ModelInferResponse.FromString(answer)))
+        if target is not None and target.shadow is not None:
+            self.spawn_shadow(request, target.shadow, context)
         if error is not None:
             await context.abort(error.code(), error.details() or "")
         return answer
@@ -183,16 +173,13 @@ class GrpcFront:
         started = time.perf_counter()
         try:
             answer = await self.call("ModelInfer")(payload, metadata=metadata, timeout=60)
-            scores, failed = scores_of(pb.ModelInferResponse.FromString(answer)), False
+            scores = scores_of(pb.ModelInferResponse.FromString(answer))
         except grpc.aio.AioRpcError:
-            scores, failed = None, True
-        elapsed = time.perf_counter() - started
-        self.guard.metrics.observe(self.guard.model_label(model), str(version), "shadow", elapsed, failed)
-        self.guard.releases.record(model, version, elapsed * 1000, scores, failed)
+            scores = None
+        self.guard.count_shadow(model, version, time.perf_counter() - started, scores)
 
     async def refuse(self, context, model: str | None, exc: RequestRefused) -> bytes:
-        self.guard.counters.refused += 1
-        self.guard.metrics.refused(self.guard.model_label(model), "grpc", exc.reason)
+        self.guard.count_refusal(model, "grpc", exc.reason)
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.status == 413 else grpc.StatusCode.INVALID_ARGUMENT
         await context.abort(code, str(exc))
 

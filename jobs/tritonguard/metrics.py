@@ -53,9 +53,8 @@ class GuardMetrics:
         self.refusals.labels(*self.bounded(model, protocol, reason)).inc()
 
     def released(self, model: str, stable: int, candidate: int | None, stable_share: int) -> None:
-        """The split now; a version no longer released is shown at 0 (a cleared release is removed)."""
-        for labels in [key for key in self.share._metrics if key[0] == model]:  # noqa: SLF001
-            self.share.remove(*labels)
+        """The split now; the versions of the previous release are removed, not left at their last share."""
+        self.cleared(model)
         self.share.labels(model, str(stable), "stable").set(stable_share)
         if candidate is not None:
             self.share.labels(model, str(candidate), "candidate").set(100 - stable_share)

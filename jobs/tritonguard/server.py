@@ -21,23 +21,24 @@ import re
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
-from .checks import (
-    FLOAT_DTYPES,
-    Limits,
-    ModelSpec,
-    RequestRefused,
-    check_request,
-    first_non_finite,
-    non_finite_message,
-    split_body,
-)
+from .checks import Limits, ModelSpec, RequestRefused, check_infer_request, split_body
 from .metrics import GuardMetrics
-from .release import SHADOW, STABLE, ReleaseBook, release_from_request, route, scores_from_response
+from .release import (
+    SHADOW,
+    STABLE,
+    Release,
+    ReleaseBook,
+    Route,
+    release_from_request,
+    route,
+    scores_from_response,
+)
 
 log = logging.getLogger("tritonguard")
 
@@ -109,9 +110,29 @@ class Guard:
         cached = self.specs.get((model, None))
         return model if cached and cached[1] is not None else "unknown"
 
-    def refuse(self, request: web.Request, exc: RequestRefused, model: str | None = None) -> web.Response:
+    def count_refusal(self, model: str | None, protocol: str, reason: str) -> None:
         self.counters.refused += 1
-        self.metrics.refused(self.model_label(model), "http", exc.reason)
+        self.metrics.refused(self.model_label(model), protocol, reason)
+
+    def count_answer(self, model: str, protocol: str, release: Release | None, target: Route | None,
+                     requested: int | None, elapsed_s: float, failed: bool, scores: Callable[[], list[float]]) -> None:
+        """One forwarded infer request in the metrics and, when it is a judged release step's traffic, in the
+        step's figures (``scores`` parses the answer only then)."""
+        label = self.model_label(model)
+        answered = target.version if target else requested
+        version = "unknown" if label == "unknown" else str(answered) if answered is not None else "default"
+        self.metrics.observe(label, version, protocol, elapsed_s, failed)
+        if release is not None and release.mode != STABLE and requested is None:
+            self.releases.record(model, target.version, elapsed_s * 1000, None if failed else scores(), failed)
+
+    def count_shadow(self, model: str, version: int, elapsed_s: float, scores: list[float] | None) -> None:
+        """One shadow copy's answer (``scores`` None: it failed)."""
+        failed = scores is None
+        self.metrics.observe(self.model_label(model), str(version), "shadow", elapsed_s, failed)
+        self.releases.record(model, version, elapsed_s * 1000, scores, failed)
+
+    def refuse(self, request: web.Request, exc: RequestRefused, model: str | None = None) -> web.Response:
+        self.count_refusal(model, "http", exc.reason)
         now = time.monotonic()
         if now - self.counters.last_refusal_log >= 1.0:  # a flood of bad requests must not flood the log
             more = f" (+{self.counters.unlogged} more refused since the last line)" if self.counters.unlogged else ""
@@ -125,12 +146,7 @@ class Guard:
     async def check_infer(self, request: web.Request, body: bytes, model: str, version: str | None) -> None:
         header_length = request.headers.get("Inference-Header-Content-Length")
         infer_request, tail = split_body(body, header_length)
-        spec = await self.model_spec(model, version)
-        for item in check_request(infer_request, tail, spec, self.limits):
-            if item.datatype in FLOAT_DTYPES:
-                bad = first_non_finite(tail, item)
-                if bad is not None:
-                    raise RequestRefused(non_finite_message(item.name, bad), reason="non_finite")
+        check_infer_request(infer_request, tail, await self.model_spec(model, version), self.limits)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
@@ -161,19 +177,12 @@ class Guard:
             url = url.with_path(f"/v2/models/{model}/versions/{target.version}/infer")
         started = time.perf_counter()
         response = await self.forward(request, body, url)
-        elapsed = time.perf_counter() - started
-        failed = response.status >= 400
-        label = self.model_label(model)
-        answered = target.version if target else requested
-        version = "unknown" if label == "unknown" else str(answered) if answered is not None else "default"
-        self.metrics.observe(label, version, "http", elapsed, failed)
-        if release is not None and release.mode != STABLE and requested is None:
-            scores = None if failed else scores_from_response(
-                response.body, response.headers.get("Inference-Header-Content-Length"),
-                response.headers.get("Content-Encoding"))
-            self.releases.record(model, target.version, elapsed * 1000, scores, failed)
-            if target.shadow is not None:
-                self.spawn_shadow(request, body, model, target.shadow)
+        self.count_answer(model, "http", release, target, requested, time.perf_counter() - started,
+                          response.status >= 400, lambda: scores_from_response(
+                              response.body, response.headers.get("Inference-Header-Content-Length"),
+                              response.headers.get("Content-Encoding")))
+        if target is not None and target.shadow is not None:
+            self.spawn_shadow(request, body, model, target.shadow)
         return response
 
     def spawn_shadow(self, request: web.Request, body: bytes, model: str, version: int) -> None:
@@ -195,11 +204,8 @@ class Guard:
                 encoding = resp.headers.get("Content-Encoding")
         except aiohttp.ClientError:
             payload, status, header_length, encoding = b"", 599, None, None
-        elapsed = time.perf_counter() - started
-        failed = status >= 400
-        self.metrics.observe(self.model_label(model), str(version), "shadow", elapsed, failed)
-        self.releases.record(model, version, elapsed * 1000,
-                             None if failed else scores_from_response(payload, header_length, encoding), failed)
+        self.count_shadow(model, version, time.perf_counter() - started,
+                          None if status >= 400 else scores_from_response(payload, header_length, encoding))
 
     @staticmethod
     def forward_headers(request: web.Request) -> dict[str, str]:
