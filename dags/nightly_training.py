@@ -33,9 +33,10 @@ from hybridflow.config import DEVICES, model_preset_names, pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS, spark_submit_defaults
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
-from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
+from hybridflow.operators.triton import TritonDeployOperator, approval_tasks, deploy_kwargs
 from hybridflow.params import integer, strict_params
 from hybridflow.paths import jobs_dir
+from hybridflow.pipeline.nightly import DEPLOY_MODES
 from hybridflow.sensors.checkpoint import CheckpointSensor
 from hybridflow.sensors.slurm import SlurmCapacitySensor
 from hybridflow.timetables import cron_schedule
@@ -80,9 +81,11 @@ with DAG(
     params=strict_params({
         "train": Param("auto", type="string", enum=["auto", "always", "never"],
                        description="auto: train on scheduled and manual runs, not in backfills; always; never."),
-        "deploy": Param("auto", type="string", enum=["auto", "always", "never"],
+        "deploy": Param("auto", type="string", enum=list(DEPLOY_MODES),
                         description="auto: deploy when this run promotes a model or the server lacks the model of "
-                                    "record (never in backfills); always: redeploy the model of record; never."),
+                                    "record (never in backfills); always: redeploy the model of record; never; "
+                                    "ask: as auto, and after the canary steps a person promotes or rolls back "
+                                    "(Required actions; roll back when nobody answers in time)."),
         "model_preset": Param(cfg.model_preset, type="string", enum=list(model_preset_names()),
                               description="Network size from include/config/model_presets.json."),
         "nodes": Param(cfg.nodes, **integer(1, 64),
@@ -280,7 +283,8 @@ with DAG(
         )
         champion >> score
 
-    with TaskGroup("deploy", tooltip="Triton: load beside the old version, smoke test, latency gate, promote"):
+    with TaskGroup("deploy", tooltip="Triton: load beside the old version, smoke test, latency gate, shadow and "
+                                     "canary, (deploy=ask) a person's approval, promote"):
 
         @task
         def plan_deploy(run_plan: dict, model: dict, ti=None) -> str:
@@ -302,10 +306,12 @@ with DAG(
             export_dir="{{ ti.xcom_pull(task_ids='deploy.plan_deploy') }}",
             # the registry version it is: the Triton version's record names it (on-call goes from one to the other)
             model_uri="{{ ti.xcom_pull(task_ids='scoring.model_of_record').get('version_uri', '') }}",
+            approval="{{ 'ask' if ti.xcom_pull(task_ids='preflight.plan')['deploy_mode'] == 'ask' else 'auto' }}",
             **deploy_kwargs(config.serving),
             pool="triton_deploy",
         )
         plan_deploy(run_plan, champion) >> deploy_model
+        released = approval_tasks(deploy_model, config.serving.release)
 
     with TaskGroup("report", tooltip="HTML + JSON: volumes, quality, loss, GPU-hours, utilization, cost, latency"):
         report = RunReportOperator(task_id="write_report", trigger_rule="none_failed_min_one_success")
@@ -315,8 +321,10 @@ with DAG(
         def record_in_registry(ds=None, run_id=None, ti=None) -> dict:
             from hybridflow.pipeline.nightly_tasks import record_in_registry
 
-            recorded = record_in_registry(config, ti.xcom_pull(task_ids="scoring.model_of_record"),
-                                          ti.xcom_pull(task_ids="deploy.deploy_model", key="deploy_report"), ds, run_id)
+            deployed = (ti.xcom_pull(task_ids="deploy.finish_release", key="deploy_report")
+                        or ti.xcom_pull(task_ids="deploy.deploy_model", key="deploy_report"))
+            recorded = record_in_registry(config, ti.xcom_pull(task_ids="scoring.model_of_record"), deployed, ds,
+                                          run_id)
             print(f"MLflow registry: {recorded}")
             return recorded
 
@@ -327,6 +335,7 @@ with DAG(
     [gate, preflight_ok] >> wait_for_gpus >> prepared
     train >> verified >> evaluate >> decision
     [gate, decision] >> champion
-    score >> deploy_model >> report
+    score >> deploy_model
+    released >> report
     score >> report
-    [score, deploy_model] >> recorded
+    [score, released] >> recorded

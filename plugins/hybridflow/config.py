@@ -196,6 +196,8 @@ class ReleaseConfig(StepThresholds):
     last step, 100, is the promotion. ``direct``: promote after the gates (no real traffic first).
     ``no_traffic``: when a step sees too few requests within ``step_timeout_s``: ``fail`` (roll back),
     ``promote`` (on the gates alone, said in the log and the report) or ``wait`` (no time limit but the task's).
+    ``approval_timeout_s``: with approval asked (``deploy=ask``), how long the release waits at its last canary
+    step for a human; then it is rolled back (nobody approved it).
     """
 
     strategy: str = "progressive"
@@ -204,6 +206,7 @@ class ReleaseConfig(StepThresholds):
     step_min_s: float = 60.0
     step_timeout_s: float = 900.0
     no_traffic: str = "fail"
+    approval_timeout_s: float = 4 * 3600.0
 
     def thresholds(self) -> StepThresholds:
         """What the step trigger judges with (its arguments must stay plain)."""
@@ -216,11 +219,10 @@ class ReleaseConfig(StepThresholds):
             raise ConfigError(f"{where}.no_traffic: {self.no_traffic!r}; choose one of "
                               f"{', '.join(NO_TRAFFIC_POLICIES)}")
         canary_steps(self.canary_steps, f"{where}.canary_steps")
-        for key in ("shadow_s", "step_min_s", "step_timeout_s"):
-            value = getattr(self, key)
-            if not 0 <= value < math.inf or (key == "step_timeout_s" and value <= 0):
-                raise ConfigError(f"{where}.{key}: {value}; expected seconds "
-                                  f"{'> 0' if key == 'step_timeout_s' else '>= 0'}")
+        for key in ("shadow_s", "step_min_s", "step_timeout_s", "approval_timeout_s"):
+            value, positive = getattr(self, key), key in ("step_timeout_s", "approval_timeout_s")
+            if not 0 <= value < math.inf or (positive and value <= 0):
+                raise ConfigError(f"{where}.{key}: {value}; expected seconds {'> 0' if positive else '>= 0'}")
         if self.step_min_s > self.step_timeout_s:
             raise ConfigError(f"{where}.step_min_s: {self.step_min_s} is over step_timeout_s {self.step_timeout_s}; "
                               "a step could never pass")

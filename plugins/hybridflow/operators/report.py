@@ -22,6 +22,7 @@ NIGHTLY_SOURCES = {
     "training": "training.train",
     "evaluation": "evaluation.champion_challenger",
     "deploy": "deploy.deploy_model",
+    "release": "deploy.finish_release",  # a release held for approval (deploy=ask), as the person decided
 }
 
 
@@ -79,7 +80,8 @@ class RunReportOperator(BaseOperator):
         metrics = read_cluster_json(config, f"{train['run_dir']}/metrics.json") if train else None
         decision = self.pull(context, "evaluation")
         plan, prepared = self.pull(context, "plan") or {}, self.pull(context, "prepare") or {}
-        deploy = self.pull(context, "deploy") or self.pull(context, "deploy", key="deploy_report")
+        deploy = (self.pull(context, "release", key="deploy_report") or self.pull(context, "deploy")
+                  or self.pull(context, "deploy", key="deploy_report"))
         figures = {
             "dag_id": dag_id, "run_id": run_id, "ds": ds,
             "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),

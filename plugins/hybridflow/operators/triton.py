@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from hybridflow.utils.triton import SmokeResult, SmokeSet, VersionRecord
 
 XCOM_REPORT = "deploy_report"
+APPROVALS = ("auto", "ask")
 DEFAULT_RUNBOOK = "include/runbooks/deploy.md"
 
 
@@ -237,6 +238,28 @@ class TritonServingOperator(BaseOperator):
         """Load and wait here (non-deferrable mode, on-call rollback): the trigger's own logic, in this process."""
         return run_sync(self.ready_trigger(version, carry, load).wait())
 
+    def promote_version(self, version: int, previous: int | None, n_features: int) -> None:
+        """``version`` alone serves: routed first, so no request goes to ``previous`` once it is unloaded."""
+        from hybridflow.utils.triton import VersionStatus
+
+        self.route_to(version)
+        if previous != version:
+            self.serve_versions(n_features, (version,))
+        self.mark(version, VersionStatus.PROMOTED)
+
+    def retire_version(self, version: int, previous: int | None, n_features: int, reason: str) -> None:
+        """``previous`` alone serves again (nothing when nothing served before): routed first, so from now on no
+        unversioned request reaches ``version``; then ``version`` is unloaded and marked rolled back."""
+        from hybridflow.utils.triton import VersionStatus
+
+        self.route_to(previous)
+        if previous is None:  # nothing served before: serve nothing rather than an unproven version
+            self.hook.unload_model(self.model_name)
+        elif previous != version:
+            self.serve_versions(n_features, (previous,))
+        if previous != version:
+            self.mark(version, VersionStatus.ROLLED_BACK, reason)
+
 
 class TritonDeployOperator(TritonServingOperator):
     """
@@ -255,7 +278,10 @@ class TritonDeployOperator(TritonServingOperator):
        both versions (error rate, p99, mean score shift and PSI). A failed step sets the split back to the
        previous version at once and unloads the new one; the figure and the threshold it broke are in the log
        and the report (``release.steps``).
-    6. Promote (policy ``[new]``: the previous version is unloaded only now) or roll back (policy ``[previous]``:
+    6. With ``approval: ask`` (and a version serving beside), the release stays at its last step and the task
+       returns with ``release.awaiting_approval``; :func:`approval_tasks` asks a person, and
+       :class:`TritonReleaseDecisionOperator` promotes or rolls back on the answer.
+    7. Promote (policy ``[new]``: the previous version is unloaded only now) or roll back (policy ``[previous]``:
        the new version is unloaded, the previous never stopped serving), then raise :class:`ModelRolledBack`
        (retried: a latency breach or a load timeout may pass next time) or, when the server refused the load or
        the outputs were wrong, the same message as ``AirflowFailException`` (a retry cannot help).
@@ -274,6 +300,9 @@ class TritonDeployOperator(TritonServingOperator):
     traffic for the few seconds of the gates. With it, they stay on the serving version until the release says.
 
     :param export_dir: the training job's ``export/`` directory (templated).
+    :param version: instead of an export, a version published before (templated; a version rolled back
+        earlier, released again): nothing is published.
+    :param approval: ``auto`` (promote when every check passes) or ``ask`` (hold for a person; templated).
     :param model_uri: the registry version it is (``models:/<name>/<N>``, templated), kept in the Triton version's
         record so a served version leads back to its registry version and run.
     :param slo_p99_ms: the latency budget of one request at p99.
@@ -282,12 +311,14 @@ class TritonDeployOperator(TritonServingOperator):
     :param deferrable: wait for readiness in the triggerer (default) instead of holding a worker slot.
     """
 
-    template_fields: Sequence[str] = ("export_dir", "model_uri", "model_name", "repository")
+    template_fields: Sequence[str] = ("export_dir", "version", "approval", "model_uri", "model_name", "repository")
 
     def __init__(
         self,
         *,
-        export_dir: str,
+        export_dir: str = "",
+        version: int | str = 0,
+        approval: str = "auto",
         model_uri: str = "",
         slo_p99_ms: float = ServingConfig.slo_p99_ms,
         concurrency: int = ServingConfig.gate_concurrency,
@@ -299,6 +330,8 @@ class TritonDeployOperator(TritonServingOperator):
         super().__init__(**kwargs)
         self.release = release or ReleaseConfig()
         self.export_dir = export_dir
+        self.version = version
+        self.approval = approval
         self.model_uri = model_uri
         self.slo_p99_ms = slo_p99_ms
         self.concurrency = concurrency
@@ -309,6 +342,11 @@ class TritonDeployOperator(TritonServingOperator):
         from hybridflow.pipeline.registry import parse_version_uri
 
         self.validate_names()
+        if self.approval not in APPROVALS:
+            raise ConfigError(f"approval is {self.approval!r}; choose {' or '.join(APPROVALS)}")
+        if bool(self.export_dir) == bool(self.published_version()):
+            raise ConfigError(f"export_dir {self.export_dir!r}, version {self.version!r}: give one of them (an "
+                              "export to publish, or the number of a version published before)")
         if self.model_uri:
             parse_version_uri(self.model_uri, "model_uri")
         if not self.slo_p99_ms > 0:
@@ -322,6 +360,12 @@ class TritonDeployOperator(TritonServingOperator):
         if self.release.strategy == "progressive" and self.hook.guard_url is None:
             raise ConfigError(f"release.strategy is progressive but connection {self.triton_conn_id!r} names no "
                               "guard_port (the guard splits the traffic); add the extra, or use strategy: direct")
+
+    def published_version(self) -> int:
+        text = str(self.version).strip() if self.version not in (None, "") else "0"
+        if not text.isdigit():
+            raise ConfigError(f"version {self.version!r}: give a published version number (0: publish export_dir)")
+        return int(text)
 
     def release_steps(self) -> list[tuple[str, int]]:
         """``(mode, candidate share)`` of each judged step: shadow (when ``shadow_s``), then the canary shares
@@ -338,24 +382,16 @@ class TritonDeployOperator(TritonServingOperator):
             self.hook.close()
 
     def _publish_and_load(self, context: Context) -> dict:
-        from hybridflow.utils.triton import (
-            VersionRecord,
-            find_published,
-            loaded_versions,
-            next_version,
-            read_export,
-        )
+        from hybridflow.utils.triton import VersionRecord, find_published, next_version, read_export
 
         self.validate()
-        bundle = read_export(Path(self.export_dir))
         previous, records = self.serving()
-        previous_record = records.get(previous) if previous is not None else None
-        if previous_record and previous_record.n_features != bundle.signature.n_features:
-            raise ConfigError(
-                f"export_dir {self.export_dir}: the model takes {bundle.signature.n_features} features but version "
-                f"{previous} of {self.model_name} (serving) takes {records[previous].n_features}; clients send a "
-                "different input now: deploy it under a new model_name"
-            )
+        if self.published_version():
+            record = records[self._published(records)]
+            self._check_inputs(previous, records, record.n_features)
+            return self._load(context, previous, record, reused=True)
+        bundle = read_export(Path(self.export_dir))
+        self._check_inputs(previous, records, bundle.signature.n_features)
         version = find_published(records, bundle.sha256)
         reused = version is not None
         if version is None:
@@ -370,15 +406,38 @@ class TritonDeployOperator(TritonServingOperator):
                           version, bundle.sha256[:12])
             if self.model_uri and records[version].model_uri != self.model_uri:  # deployed before it was registered
                 self.repo.write_record(self.model_name, replace(records[version], model_uri=self.model_uri))
+            record = replace(records[version], model_uri=self.model_uri or records[version].model_uri)
+        return self._load(context, previous, record, reused)
+
+    def _published(self, records: dict[int, VersionRecord]) -> int:
+        version = self.published_version()
+        if version not in records:
+            raise ConfigError(f"version {version} of {self.model_name} is not a complete version in {self.repo.uri}; "
+                              f"complete versions: {sorted(records)}")
+        return version
+
+    def _check_inputs(self, previous: int | None, records: dict[int, VersionRecord], n_features: int) -> None:
+        if previous is not None and previous in records and records[previous].n_features != n_features:
+            raise ConfigError(
+                f"{self.export_dir or f'version {self.version}'}: the model takes {n_features} features but version "
+                f"{previous} of {self.model_name} (serving) takes {records[previous].n_features}; clients send a "
+                "different input now: deploy it under a new model_name"
+            )
+
+    def _load(self, context: Context, previous: int | None, record: VersionRecord, reused: bool) -> dict:
+        """Load ``record``'s version beside the serving one (the guard holds unversioned requests on that) and
+        wait until it is READY, deferred."""
+        from hybridflow.utils.triton import loaded_versions
+
+        version = record.version
         loaded = loaded_versions(previous, version)
         if previous not in (None, version):
             self.route_to(previous)  # the new version answers no unversioned request before its release says
-        changed = self.repo.write_config(self.model_name, self.render_config(bundle.signature.n_features, loaded))
+        changed = self.repo.write_config(self.model_name, self.render_config(record.n_features, loaded))
         self.log.info("Loading %s versions %s (serving now: %s, until promotion)", self.model_name, list(loaded),
                       previous)
         carry = {"version": version, "previous_version": previous, "reused_version": reused,
-                 "sha256": bundle.sha256, "n_features": bundle.signature.n_features,
-                 "model_uri": self.model_uri or records[version].model_uri if reused else self.model_uri}
+                 "sha256": record.sha256, "n_features": record.n_features, "model_uri": record.model_uri}
         # Rerunning the deploy of the version serving now needs no load: only the checks.
         load = changed or previous != version
         if self.deferrable:
@@ -444,16 +503,31 @@ class TritonDeployOperator(TritonServingOperator):
         if self.release.strategy == "progressive" and previous not in (None, version) and self.release_steps():
             report["release"] = {"strategy": "progressive", "steps": [], "no_traffic": False}
             return self._start_step(context, report, carry, 0)
+        return self._finish(context, report, carry)
+
+    def _finish(self, context: Context, report: dict, carry: dict) -> dict:
+        """Every check passed: promote, or (``approval: ask``, a version serving beside) hold for a person."""
+        if self.approval == "ask" and carry["previous_version"] not in (None, carry["version"]):
+            return self._hold(context, report, carry)
         return self._promote(context, report, carry)
 
-    def _promote(self, context: Context, report: dict, carry: dict) -> dict:
-        from hybridflow.utils.triton import VersionStatus
+    def _hold(self, context: Context, report: dict, carry: dict) -> dict:
+        """Leave the release where its last step put it (both versions loaded) for the approval task."""
+        release = report.setdefault("release", {"strategy": self.release.strategy, "steps": [], "no_traffic": False})
+        release["awaiting_approval"] = True
+        report["reason"] = "awaiting approval"
+        steps = release["steps"]
+        where = (f"{step_label(steps[-1]['mode'], steps[-1]['share'])} of unversioned requests" if steps else
+                 "no unversioned request")
+        self.log.info("%s version %s passed every check; it keeps %s while a person decides (the approval task: "
+                      "Promote or Roll back; version %s serves the rest). Figures: %s", self.model_name,
+                      carry["version"], where, carry["previous_version"], self._figures(report))
+        context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+        return report
 
+    def _promote(self, context: Context, report: dict, carry: dict) -> dict:
         version, previous = carry["version"], carry["previous_version"]
-        self.route_to(version)  # before the previous version is unloaded: no request is routed to it after
-        if previous != version:
-            self.serve_versions(carry["n_features"], (version,))
-        self.mark(version, VersionStatus.PROMOTED)
+        self.promote_version(version, previous, carry["n_features"])
         report["promoted"] = True
         unloaded = f"version {previous} unloaded" if previous not in (None, version) else "it was the only version"
         self.log.info("Promoted %s version %s (%s): %s", self.model_name, version, unloaded, self._figures(report))
@@ -511,7 +585,7 @@ class TritonDeployOperator(TritonServingOperator):
         if status == "pass":
             if index + 1 < len(self.release_steps()):
                 return self._start_step(context, report, carry, index + 1)
-            return self._promote(context, report, carry)
+            return self._finish(context, report, carry)
         if status == "fail":
             return self._roll_back(context, report, carry, f"{label} failed: {event['message']} "
                                    f"(serving.release thresholds)", retryable=False)
@@ -520,7 +594,7 @@ class TritonDeployOperator(TritonServingOperator):
             self.log.warning("%s version %s, %s: %s; promoting on the smoke set and the latency gate alone "
                              "(serving.release.no_traffic: promote)", self.model_name, carry["version"], label,
                              event["message"])
-            return self._promote(context, report, carry)
+            return self._finish(context, report, carry)
         if status == "no_traffic":
             return self._roll_back(context, report, carry, f"{label}: too little traffic to judge ({event['message']}; "
                                    "serving.release.no_traffic: fail)", retryable=False)
@@ -535,20 +609,12 @@ class TritonDeployOperator(TritonServingOperator):
     def _roll_back(self, context: Context, report: dict, carry: dict, reason: str, retryable: bool,
                    restarted: bool = False) -> dict:
         from hybridflow.hooks.triton import ServerUnavailable
-        from hybridflow.utils.triton import VersionStatus
 
         version, previous = carry["version"], carry["previous_version"]
         report["reason"] = reason
         self.log.error("Rolling back %s version %s: %s", self.model_name, version, reason)
         try:
-            self.route_to(previous)  # first: from now on no unversioned request reaches the failed version
-            if previous is None:
-                # Nothing served before this deploy: serve nothing rather than an unproven version.
-                self.hook.unload_model(self.model_name)
-            elif previous != version:
-                self.serve_versions(carry["n_features"], (previous,))
-            if previous != version:
-                self.mark(version, VersionStatus.ROLLED_BACK, reason)
+            self.retire_version(version, previous, carry["n_features"], reason)
         except ServerUnavailable as exc:
             if restarted:
                 context["ti"].xcom_push(key=XCOM_REPORT, value=report)
@@ -606,6 +672,113 @@ class TritonDeployOperator(TritonServingOperator):
                          f"{latency['throughput_rps']} req/s at concurrency {latency['concurrency']}, "
                          f"{latency['failed']} failed of {latency['requests']}")
         return "; ".join(parts)
+
+
+class TritonReleaseDecisionOperator(TritonServingOperator):
+    """
+    Ends a release held for approval (:class:`TritonDeployOperator` with ``approval: ask``) as the person chose in
+    the approval task: ``Promote`` -> the new version alone serves (the old one unloaded); ``Roll back`` -> the old
+    version alone serves again (the new one unloaded, marked rolled back). Nobody answering in time (the approval
+    task's default) rolls back and fails, so on-call hears of it; a person's ``Roll back`` is their decision and
+    succeeds. A release that changed meanwhile (an on-call rollback) is left as it is, and the task says so.
+
+    Returns, and pushes to XCom ``deploy_report``, the deploy's report with ``promoted``, ``reason`` and
+    ``release.approval`` {choice, by, at, timed_out}.
+
+    :param deploy_task_id: the deploy task whose ``deploy_report`` held the release.
+    :param approval_task_id: the approval task (the standard provider's HITLOperator, options
+        :data:`~hybridflow.utils.release.APPROVAL_OPTIONS`).
+    """
+
+    def __init__(self, *, deploy_task_id: str, approval_task_id: str, **kwargs):
+        super().__init__(**kwargs)
+        self.deploy_task_id = deploy_task_id
+        self.approval_task_id = approval_task_id
+
+    def execute(self, context: Context) -> dict:
+        from hybridflow.utils.release import approval_answer
+
+        ti = context["ti"]
+        report = ti.xcom_pull(task_ids=self.deploy_task_id, key=XCOM_REPORT) or {}
+        if not (report.get("release") or {}).get("awaiting_approval"):
+            raise final(TritonError(f"{self.deploy_task_id} holds no release awaiting approval "
+                                    f"({report.get('reason')}); nothing to decide"))
+        try:
+            answer = approval_answer(ti.xcom_pull(task_ids=self.approval_task_id))
+            return self._decide(context, report, answer)
+        except (ConfigError, ValueError) as exc:
+            raise final(exc) from exc
+        finally:
+            self.hook.close()
+
+    def _decide(self, context: Context, report: dict, answer) -> dict:
+        version, previous = report["version"], report["previous_version"]
+        self.status_url = self.hook.model_status_url(self.model_name, version)
+        report = {**report, "release": {**report["release"], "awaiting_approval": False,
+                                        "approval": answer.as_dict()}}
+        ready = self.hook.ready_versions(self.model_name)
+        if version not in ready or previous not in ready:
+            report["reason"] = f"the release changed while it waited for approval (READY now: {ready})"
+            context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+            raise final(TritonError(f"{self.model_name} version {version}: {report['reason']}. Whoever changed it "
+                                    f"(an on-call rollback) owns it now; nothing was changed. Runbook: {self.runbook}"))
+        n_features = self.record(version).n_features
+        who = "nobody answered in time" if answer.timed_out else f"{answer.by} chose {answer.as_dict()['choice']}"
+        if answer.promote:
+            self.promote_version(version, previous, n_features)
+            report.update(promoted=True, reason=None)
+            self.log.info("Promoted %s version %s (%s); version %s unloaded", self.model_name, version, who, previous)
+            context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+            return report
+        report["reason"] = f"not approved: {who}"
+        self.retire_version(version, previous, n_features, report["reason"])
+        self.log.warning("Rolled %s back to version %s: version %s %s", self.model_name, previous, version,
+                         report["reason"])
+        context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+        if answer.timed_out:
+            raise final(ModelRolledBack(f"{self.model_name} version {version} was rolled back: {report['reason']} "
+                                        f"(serving.release.approval_timeout_s). Version {previous} keeps serving. "
+                                        f"Runbook: {self.runbook}", report))
+        return report
+
+
+def approval_tasks(deploy: TritonDeployOperator, release: ReleaseConfig) -> BaseOperator:
+    """After ``deploy`` (``approval: ask``): ``needs_approval`` (skips the rest unless the deploy holds a release),
+    ``approve_release`` (Airflow's human-in-the-loop: Promote or Roll back, the figures shown; Roll back when
+    nobody answers within ``release.approval_timeout_s``), ``finish_release`` (does it). Returns the last."""
+    from airflow.providers.standard.operators.hitl import HITLOperator
+    from airflow.providers.standard.operators.python import ShortCircuitOperator
+
+    from hybridflow.utils.release import APPROVAL_OPTIONS, ROLL_BACK
+
+    prefix = deploy.task_id[: -len(deploy.task_id.split(".")[-1])]  # its task group's, if any
+    needs = ShortCircuitOperator(task_id="needs_approval", python_callable=held_release,
+                                 op_kwargs={"deploy_task_id": deploy.task_id, "timeout_s": release.approval_timeout_s},
+                                 ignore_downstream_trigger_rules=False)
+    asked = "{{ ti.xcom_pull(task_ids='" + prefix + "needs_approval')"
+    approve = HITLOperator(task_id="approve_release", subject=asked + "['subject'] }}", body=asked + "['body'] }}",
+                           options=list(APPROVAL_OPTIONS), defaults=[ROLL_BACK],
+                           response_timeout=timedelta(seconds=release.approval_timeout_s))
+    decide = TritonReleaseDecisionOperator(
+        task_id="finish_release", deploy_task_id=deploy.task_id, approval_task_id=prefix + "approve_release",
+        **{key: getattr(deploy, key) for key in ("model_name", "repository", "triton_conn_id", "storage_conn_id",
+                                                 "backend", "instance_count", "max_batch_size", "max_queue_delay_us",
+                                                 "readiness_timeout_s")},
+        pool=deploy.pool)
+    deploy >> needs >> approve >> decide
+    return decide
+
+
+def held_release(deploy_task_id: str, timeout_s: float, ti=None) -> dict | bool:
+    """The approval request (subject, body) when the deploy holds a release for a person, else False."""
+    from hybridflow.utils.release import approval_request
+
+    report = ti.xcom_pull(task_ids=deploy_task_id, key=XCOM_REPORT) or {}
+    if not (report.get("release") or {}).get("awaiting_approval"):
+        print(f"No approval to ask: the deploy {'promoted' if report.get('promoted') else 'did not hold'} "
+              f"{report.get('model')} version {report.get('version')}")
+        return False
+    return approval_request(report, timeout_s)
 
 
 class TritonRollbackOperator(TritonServingOperator):

@@ -9,6 +9,7 @@ from datetime import date, timedelta
 from typing import Any
 
 MODES = ("auto", "always", "never")
+DEPLOY_MODES = (*MODES, "ask")  # ask: as auto, then a person approves the promotion
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,9 @@ def plan_run(run_type: str, params: Mapping[str, Any], ds: str,
     re-scores history with the model of record). ``deploy`` is decided after evaluation (see should_deploy).
     ``placement`` (CPU or GPU, hybridflow.pipeline.placement) is carried as decided."""
     train_mode, deploy_mode = params.get("train", "auto"), params.get("deploy", "auto")
-    for name, mode in (("train", train_mode), ("deploy", deploy_mode)):
-        if mode not in MODES:
-            raise ValueError(f"param {name}={mode!r}: choose one of {', '.join(MODES)}")
+    for name, mode, modes in (("train", train_mode, MODES), ("deploy", deploy_mode, DEPLOY_MODES)):
+        if mode not in modes:
+            raise ValueError(f"param {name}={mode!r}: choose one of {', '.join(modes)}")
     backfill = run_type == "backfill"
     train = train_mode == "always" or (train_mode == "auto" and not backfill)
     if train_mode == "auto":
@@ -42,9 +43,9 @@ def plan_run(run_type: str, params: Mapping[str, Any], ds: str,
                   "to retrain)") if backfill else f"{run_type} run: train a challenger"
     else:
         reason = f"train={train_mode} requested"
-    if deploy_mode == "auto" and backfill:
+    if deploy_mode in ("auto", "ask") and backfill:
+        reason += f"; a backfill never redeploys unless deploy=always (deploy={deploy_mode} given)"
         deploy_mode = "never"
-        reason += "; a backfill never redeploys unless deploy=always"
     return RunPlan(ds=ds, train=train, deploy_mode=deploy_mode, dry_run=bool(params.get("dry_run", False)),
                    reason=reason, placement=dict(placement) if placement is not None else None)
 
@@ -61,7 +62,8 @@ def training_window(ds: str, window_days: int, published: Iterable[str]) -> list
 
 def should_deploy(mode: str, promoted_version: int | None, champion_version: int | None,
                   serving_versions: Iterable[int]) -> tuple[bool, str]:
-    """``auto`` deploys a model promoted by this run, or the champion when the server does not serve it."""
+    """``auto`` (and ``ask``, which then asks a person before the promotion) deploys a model promoted by this
+    run, or the champion when the server does not serve it."""
     serving = sorted(set(serving_versions))
     if champion_version is None:
         return False, "no model of record to deploy"

@@ -137,3 +137,71 @@ def canary_steps(steps: Any, where: str = "serving.release.canary_steps") -> tup
     if list(steps) != sorted(set(steps)) or steps[-1] != 100:
         raise ConfigError(f"{where}: {list(steps)!r}; steps must increase and end at 100, e.g. [10, 50, 100]")
     return tuple(steps)
+
+
+# --- Human approval (deploy=ask): what the person sees, and what their answer means ------------------------------
+
+PROMOTE, ROLL_BACK = "Promote", "Roll back"
+APPROVAL_OPTIONS = (PROMOTE, ROLL_BACK)
+
+
+@dataclass(frozen=True)
+class ApprovalAnswer:
+    promote: bool
+    by: str | None  # None: nobody answered in time, Airflow chose the default (roll back)
+    at: str | None
+
+    @property
+    def timed_out(self) -> bool:
+        return self.by is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"choice": PROMOTE if self.promote else ROLL_BACK, "by": self.by, "at": self.at,
+                "timed_out": self.timed_out}
+
+
+def approval_answer(payload: Any) -> ApprovalAnswer:
+    """The approval task's result (the standard provider's HITL payload: ``chosen_options``,
+    ``responded_by_user`` {id, name} or None when the timeout chose the default, ``responded_at``)."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"the approval task returned {payload!r}, not its answer; clear it to ask again")
+    chosen = payload.get("chosen_options")
+    if not isinstance(chosen, list) or len(chosen) != 1 or chosen[0] not in APPROVAL_OPTIONS:
+        raise ValueError(f"the approval's chosen_options are {chosen!r}; expected one of {list(APPROVAL_OPTIONS)}")
+    user = payload.get("responded_by_user")
+    by = None if not user else str(user.get("name") or user.get("id")) if isinstance(user, dict) else str(user)
+    at = payload.get("responded_at")
+    return ApprovalAnswer(promote=chosen[0] == PROMOTE, by=by,
+                          at=at.isoformat() if hasattr(at, "isoformat") else None if at is None else str(at))
+
+
+def approval_request(report: dict[str, Any], timeout_s: float) -> dict[str, str]:
+    """The subject and Markdown body a person decides on: every step the release passed, with its figures, and
+    what each option does."""
+    model, version, previous = report["model"], report["version"], report["previous_version"]
+    release = report.get("release") or {}
+    latency, smoke = report.get("latency") or {}, report.get("smoke") or {}
+    lines = [f"Version **{version}** of `{model}` passed its checks against version {previous}, which serves now.",
+             "", "| step | outcome | requests | error rate | p99 ms (stable) | mean shift | PSI |",
+             "|---|---|---|---|---|---|---|"]
+    if smoke:
+        lines.insert(1, f"Smoke set: {smoke.get('rows')} rows, max abs error {smoke.get('max_abs_error')} "
+                        f"(atol {smoke.get('atol')}).")
+    if latency:
+        lines.insert(2, f"Latency gate: p99 {latency.get('p99_ms')} ms over {latency.get('requests')} requests "
+                        f"(SLO {report.get('slo_p99_ms')} ms).")
+    for step in release.get("steps") or []:
+        figures = step.get("figures") or {}
+        label = "shadow" if step.get("mode") == "shadow" else f"canary {step.get('share')}%"
+        lines.append(f"| {label} | {step.get('outcome')} | {figures.get('requests', '-')} | "
+                     f"{figures.get('error_rate', '-')} | {figures.get('p99_ms', '-')} "
+                     f"({figures.get('stable_p99_ms', '-')}) | {figures.get('mean_shift', '-')} | "
+                     f"{figures.get('psi', '-') if figures.get('psi') is not None else '-'} |")
+    if not release.get("steps"):
+        lines.append("| (no real traffic: direct release) | - | - | - | - | - | - |")
+    if release.get("no_traffic"):
+        lines.append("\nA step saw too little traffic to judge (no_traffic: promote).")
+    lines += ["", f"**{PROMOTE}**: version {version} takes every request and version {previous} is unloaded. "
+              f"**{ROLL_BACK}**: every request goes back to version {previous} and version {version} is unloaded.",
+              f"Nobody answering within {timeout_s / 3600:g} h rolls it back."]
+    return {"subject": f"Promote {model} version {version}? (serving: version {previous})", "body": "\n".join(lines)}
