@@ -88,6 +88,40 @@ def publish_slow_version(repository: str, model: str, export_dir: Path, sleep_ms
     return version
 
 
+def publish_and_serve(repository: str, model: str, exports: dict[int, Path],
+                      serve: tuple[int, ...] | None = None) -> None:
+    """Versions published as the deploy operator publishes them (version 1 promoted), ``serve`` loaded (default:
+    all at once; no release yet)."""
+    from hybridflow.config import ReleaseConfig
+    from hybridflow.operators.triton import TritonDeployOperator
+    from hybridflow.utils.triton import VersionRecord, VersionStatus, read_export
+
+    operator = TritonDeployOperator(task_id="setup", export_dir="/unused", model_name=model, repository=repository,
+                                    release=ReleaseConfig(strategy="direct"))
+    for version, export in exports.items():
+        bundle = read_export(export)
+        operator.repo.publish_version(model, version, bundle.version_files(), VersionRecord(
+            version=version, sha256=bundle.sha256, n_features=N_FEATURES, source=str(export),
+            published_at="2026-12-05T00:00:00+00:00",
+            status=VersionStatus.PROMOTED if version == 1 else VersionStatus.PUBLISHED))
+    operator.serve_versions(N_FEATURES, serve or tuple(exports))
+    operator.hook.close()
+
+
+def infer(model: str, rows: np.ndarray, version: int | None = None) -> tuple[str, list[float]]:
+    """One JSON infer request through the guard: the answering version and the scores."""
+    import urllib.request
+
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
+    body = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": list(rows.shape),
+                                   "data": rows.ravel().tolist()}]}).encode()
+    request = urllib.request.Request(f"http://{TRITON_HTTP}{path}", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        answer = json.load(response)
+    return answer["model_version"], answer["outputs"][0]["data"]
+
+
+
 DEPLOY_DAG = textwrap.dedent('''
     from datetime import datetime
     from airflow.sdk import DAG

@@ -17,11 +17,13 @@ import pytest
 from helpers.rest import call, local_api_when_up
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
-DAGS = ("nightly_training", "workload_router", "oncall_rollback_model", "oncall_training_job",
+DAGS = ("nightly_training", "workload_router", "oncall_rollback_model", "oncall_training_job", "release_model",
         "platform_healthcheck", "cluster_preflight", "reliability_probe", "slurm_reconciler")
 DRY_RUN = ("nightly_training", "workload_router")
 # Valid values for params without a default, so that a refusal names the bad param; Slurm knows no such job.
-REQUIRED = {"oncall_training_job": '"job_id": "999999999", "reason": "params api test"'}
+REQUIRED = {"oncall_training_job": '"job_id": "999999999", "reason": "params api test"',
+            # a run let through would release a version of no model: it fails at once, touching nothing
+            "release_model": '"model_name": "params_api_no_such_model", "version": 1'}
 HUGE = "1" + "0" * 29  # 30 digits: past the 64-bit ints the task runner can serialize
 NOT_INT, NOT_NUM, NOT_STR, NOT_OBJ = ("is not of type 'integer'", "is not of type 'number'",
                                       "is not of type 'string'", "is not of type 'object'")
@@ -86,6 +88,16 @@ REFUSED = [
     ("oncall_rollback_model", '{"model_name": " x"}', "model_name", None, NO_MATCH),
     ("oncall_rollback_model", json.dumps({"model_name": "a" * 129}), "model_name", None, NO_MATCH),
     ("oncall_rollback_model", '{"model_name": 5}', "model_name", None, NOT_STR),
+    ("release_model", '{"version": 0}', "version", None, BELOW),
+    ("release_model", '{"version": 2.0}', "version", None, NOT_INT),
+    ("release_model", '{"version": "2"}', "version", None, NOT_INT),
+    ("release_model", f'{{"version": {HUGE}}}', "version", None, ABOVE),
+    ("release_model", '{"version": null}', "version", None, NOT_INT),
+    ("release_model", '{"model_name": "../../etc"}', "model_name", None, NO_MATCH),
+    ("release_model", '{"model_name": "m; rm -rf /"}', "model_name", None, NO_MATCH),
+    ("release_model", '{"approval": "yes"}', "approval", None, NOT_ONE),
+    ("release_model", '{"approval": "ask\\n"}', "approval", None, NOT_ONE),
+    ("release_model", '{"approval": true}', "approval", None, NOT_ONE),
     ("oncall_training_job", '{"job_id": "4242\\n"}', "job_id", None, NO_MATCH),
     ("oncall_training_job", '{"job_id": " 4242"}', "job_id", None, NO_MATCH),
     ("oncall_training_job", json.dumps({"job_id": "1" * 30}), "job_id", None, NO_MATCH),
@@ -128,6 +140,8 @@ ACCEPTED_RUNS = [
 ACCEPTED_BY_SCHEMA = [
     ("oncall_rollback_model", {"model_name": "hybridflow-model_v1.2", "version": 2147483647}),
     ("oncall_rollback_model", {"version": 0}),
+    ("release_model", {"model_name": "hybridflow-model_v1.2", "version": 2147483647, "approval": "auto"}),
+    ("release_model", {"version": 1}),
     ("oncall_training_job", {"job_id": "4242_3", "reason": "gpu-node-01 hangs; requeue (ticket #12)"}),
     ("oncall_training_job", {"job_id": "4294967295", "reason": "x"}),
     ("platform_healthcheck", {"partition": "cpu", "run_spark": False, "spark_conn_id": "spark_standalone"}),
@@ -204,7 +218,7 @@ def test_served_schemas_accept_defaults_and_good_values(served):
     from airflow.serialization.definitions.param import SerializedParam, SerializedParamsDict
 
     unresolved = [f"{d}.{n}" for d, params in served.items() for n, p in params.items()
-                  if p["value"] is None and n not in ("job_id", "reason")]
+                  if p["value"] is None and n not in ("job_id", "reason", "version")]
     assert unresolved == [], "defaults the served schema refuses"
     for dag_id, conf in ACCEPTED_BY_SCHEMA:
         params = SerializedParamsDict({name: SerializedParam(p["value"], **p["schema"])

@@ -20,46 +20,21 @@ from helpers.triton_models import (
     N_FEATURES,
     TRITON_HTTP,
     deploy_dag,
+    infer,
     make_export,
+    publish_and_serve,
     publish_slow_version,
     ready_versions,
     remove_model,
     tiny_model,
 )
-from hybridflow.config import ReleaseConfig
 from hybridflow.hooks.model_repository import LocalModelRepository
 from hybridflow.hooks.triton import TritonHook
-from hybridflow.operators.triton import TritonDeployOperator
-from hybridflow.utils.triton import Repository, VersionRecord, VersionStatus, read_export
+from hybridflow.utils.triton import Repository, VersionStatus
 from prometheus_client.parser import text_string_to_metric_families
 
 GUARD_ADMIN = "http://127.0.0.1:8003"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def publish_and_serve(repository: str, model: str, exports: dict[int, Path]) -> None:
-    """Versions published as the deploy operator publishes them, all loaded at once (no release yet)."""
-    operator = TritonDeployOperator(task_id="setup", export_dir="/unused", model_name=model, repository=repository,
-                                    release=ReleaseConfig(strategy="direct"))
-    for version, export in exports.items():
-        bundle = read_export(export)
-        operator.repo.publish_version(model, version, bundle.version_files(), VersionRecord(
-            version=version, sha256=bundle.sha256, n_features=N_FEATURES, source=str(export),
-            published_at="2026-12-05T00:00:00+00:00",
-            status=VersionStatus.PROMOTED if version == 1 else VersionStatus.PUBLISHED))
-    operator.serve_versions(N_FEATURES, tuple(exports))
-    operator.hook.close()
-
-
-def infer(model: str, rows: np.ndarray, version: int | None = None) -> tuple[str, list[float]]:
-    """One JSON infer request through the guard: the answering version and the scores."""
-    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/infer"
-    body = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": list(rows.shape),
-                                   "data": rows.ravel().tolist()}]}).encode()
-    request = urllib.request.Request(f"http://{TRITON_HTTP}{path}", data=body, method="POST")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        answer = json.load(response)
-    return answer["model_version"], answer["outputs"][0]["data"]
 
 
 def admin(method: str, path: str, body: bytes | None = None) -> tuple[int, dict | str]:

@@ -121,8 +121,9 @@ class LocalModelRepository(ModelRepository):
         try:
             # replace=False: rename(2) refuses a non-empty target, so a concurrent deploy cannot overwrite a
             # published version.
+            # 0o775, as the shared storage: whoever of its group promotes or rolls back rewrites the record here.
             with staged_dir(self.root / name / str(version), replace=False, staging_parent=self._staging(),
-                            mode=0o755) as staging:
+                            mode=0o775) as staging:
                 for relpath, content in files.items():
                     target = staging / relpath
                     if isinstance(content, bytes):

@@ -335,7 +335,8 @@ def append_alert(path: Path, alert: Alert) -> None:
     """One JSON line per alert; a single ``write`` of a line under ``O_APPEND`` keeps lines whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(alert.to_json(), sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+    # 0o660: every member of the storage group (the stack's user, on-call tools, tests) appends to the same file
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o660)
     try:
         os.write(fd, line)
     finally:

@@ -717,7 +717,9 @@ class TritonReleaseDecisionOperator(TritonServingOperator):
         report = {**report, "release": {**report["release"], "awaiting_approval": False,
                                         "approval": answer.as_dict()}}
         ready = self.hook.ready_versions(self.model_name)
-        if version not in ready or previous not in ready:
+        # The version to keep must still be loaded; the other may be gone already (this task's own earlier try:
+        # both switches are safe to repeat).
+        if (version if answer.promote else previous) not in ready:
             report["reason"] = f"the release changed while it waited for approval (READY now: {ready})"
             context["ti"].xcom_push(key=XCOM_REPORT, value=report)
             raise final(TritonError(f"{self.model_name} version {version}: {report['reason']}. Whoever changed it "

@@ -314,6 +314,13 @@ def test_serving_config_mistakes_name_the_key(tmp_path, key, value, message):
         ({"model_name": "../up"}, "model_name '../up'"),
         ({"repository": "relative"}, "a local repository must be an absolute path"),
         ({"readiness_timeout_s": 0}, "readiness_timeout_s is 0"),
+        ({"approval": "maybe"}, "approval is 'maybe'; choose auto or ask"),
+        ({"approval": ""}, "approval is ''; choose auto or ask"),
+        ({"version": 2}, "export_dir '/x', version 2: give one of them"),
+        ({"export_dir": "", "version": 0}, "export_dir '', version 0: give one of them"),
+        ({"export_dir": "", "version": "2; rm -rf /"}, "version '2; rm -rf /': give a published version number"),
+        ({"export_dir": "", "version": "-1"}, "version '-1': give a published version number"),
+        ({"export_dir": "", "version": "1.5"}, "version '1.5': give a published version number"),
     ],
 )
 def test_triton_deploy_operator_refuses_bad_arguments_before_any_call(kwargs, message):

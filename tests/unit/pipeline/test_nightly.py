@@ -23,6 +23,8 @@ from hybridflow.pipeline.nightly import (
         ("backfill", {"train": "always"}, True, "never"),
         ("backfill", {"deploy": "always"}, False, "always"),
         ("scheduled", {"train": "never", "deploy": "never"}, False, "never"),
+        ("scheduled", {"deploy": "ask"}, True, "ask"),
+        ("backfill", {"deploy": "ask"}, False, "never"),  # a backfill re-scores history; it never asks to deploy
     ],
 )
 def test_plan_run_trains_except_in_backfills_unless_asked(run_type, params, train, deploy):
@@ -32,8 +34,12 @@ def test_plan_run_trains_except_in_backfills_unless_asked(run_type, params, trai
 
 
 def test_plan_run_refuses_an_unknown_mode_naming_the_param():
-    with pytest.raises(ValueError, match=r"param train='sometimes': choose one of auto, always, never"):
+    with pytest.raises(ValueError, match=r"param train='sometimes': choose one of auto, always, never$"):
         plan_run("manual", {"train": "sometimes"}, "2026-03-04")
+    with pytest.raises(ValueError, match=r"param train='ask': choose one of auto, always, never$"):
+        plan_run("manual", {"train": "ask"}, "2026-03-04")  # only a deploy is asked for
+    with pytest.raises(ValueError, match=r"param deploy='later': choose one of auto, always, never, ask"):
+        plan_run("manual", {"deploy": "later"}, "2026-03-04")
 
 
 @pytest.mark.parametrize(
@@ -62,6 +68,8 @@ def test_training_window_requires_the_runs_own_partition():
         ("auto", None, None, [], False),
         ("never", 3, 3, [], False),
         ("always", None, 3, [3], True),
+        ("ask", 3, 3, [2], True),  # as auto decides; the promotion is then asked
+        ("ask", None, 3, [3], False),
     ],
 )
 def test_should_deploy(mode, promoted, champion, serving, deploy):

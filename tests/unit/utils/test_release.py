@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import math
 import random
+import re
+from datetime import UTC, datetime
 
 import pytest
 from hybridflow.exceptions import ConfigError
 from hybridflow.utils.release import (
     FAIL,
     PASS,
+    PROMOTE,
+    ROLL_BACK,
     WAIT,
     StepThresholds,
     VersionFigures,
+    approval_answer,
+    approval_request,
     canary_steps,
     decile_edges,
     judge,
@@ -137,3 +143,62 @@ def test_bad_thresholds_are_refused_naming_the_field(field, value, message):
     with pytest.raises(ConfigError) as refused:
         StepThresholds(**{field: value}).validate()
     assert message in str(refused.value)
+
+
+AT = datetime(2026, 12, 5, 18, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    "payload, promote, by, timed_out",
+    [
+        ({"chosen_options": [PROMOTE], "responded_by_user": {"id": "1", "name": "alice"}, "responded_at": AT},
+         True, "alice", False),
+        ({"chosen_options": [ROLL_BACK], "responded_by_user": {"id": "7", "name": ""}, "responded_at": AT},
+         False, "7", False),
+        # the timeout: Airflow writes the defaults (Roll back) as the answer, by nobody
+        ({"chosen_options": [ROLL_BACK], "responded_by_user": None, "responded_at": AT}, False, None, True),
+    ],
+)
+def test_an_approval_answer_says_what_to_do_and_who_decided(payload, promote, by, timed_out):
+    answer = approval_answer(payload)
+    assert (answer.promote, answer.by, answer.timed_out) == (promote, by, timed_out)
+    assert answer.as_dict()["at"] == "2026-12-05T18:00:00+00:00"
+
+
+@pytest.mark.parametrize(
+    "payload, says",
+    [
+        (None, "the approval task returned None"),
+        ("Promote", "the approval task returned 'Promote'"),
+        ({"chosen_options": []}, "chosen_options are []"),
+        ({"chosen_options": [PROMOTE, ROLL_BACK]}, "expected one of ['Promote', 'Roll back']"),
+        ({"chosen_options": ["promote"]}, "chosen_options are ['promote']"),
+        ({"chosen_options": "Promote"}, "chosen_options are 'Promote'"),
+        ({}, "chosen_options are None"),
+    ],
+)
+def test_an_approval_answer_that_is_no_answer_is_refused(payload, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        approval_answer(payload)
+
+
+def test_the_approval_request_shows_every_step_with_its_figures_and_what_each_option_does():
+    report = {"model": "propensity", "version": 4, "previous_version": 3, "slo_p99_ms": 50,
+              "smoke": {"rows": 16, "max_abs_error": 1e-7, "atol": 1e-5},
+              "latency": {"p99_ms": 3.2, "requests": 400},
+              "release": {"steps": [
+                  {"mode": "shadow", "share": 0, "outcome": "pass",
+                   "figures": {"requests": 120, "error_rate": 0.0, "p99_ms": 4.1, "stable_p99_ms": 3.9,
+                               "mean_shift": 0.004, "psi": None}},
+                  {"mode": "canary", "share": 10, "outcome": "pass",
+                   "figures": {"requests": 60, "error_rate": 0.0, "p99_ms": 4.4, "stable_p99_ms": 4.0,
+                               "mean_shift": 0.006, "psi": 0.03}}]}}
+    asked = approval_request(report, timeout_s=4 * 3600)
+    assert asked["subject"] == "Promote propensity version 4? (serving: version 3)"
+    body = asked["body"]
+    assert "| shadow | pass | 120 | 0.0 | 4.1 (3.9) | 0.004 | - |" in body
+    assert "| canary 10% | pass | 60 | 0.0 | 4.4 (4.0) | 0.006 | 0.03 |" in body
+    assert "Smoke set: 16 rows" in body and "Latency gate: p99 3.2 ms over 400 requests (SLO 50 ms)" in body
+    assert "**Roll back**: every request goes back to version 3" in body and "within 4 h rolls it back" in body
+    direct = approval_request({**report, "release": {"steps": []}}, timeout_s=1800)["body"]
+    assert "no real traffic: direct release" in direct and "within 0.5 h" in direct
