@@ -30,7 +30,7 @@ from datetime import timedelta
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Asset, Param, TaskGroup, task
 from hybridflow.config import DEVICES, model_preset_names, pipeline_config
-from hybridflow.dag_defaults import DEFAULT_ARGS, spark_submit_defaults
+from hybridflow.dag_defaults import DEFAULT_ARGS, run_deadline, spark_submit_defaults
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, approval_tasks, deploy_kwargs
@@ -77,6 +77,7 @@ with DAG(
     max_active_runs=cfg.max_active_runs,
     default_args=DEFAULT_ARGS,
     tags=["pipeline", "training", "gpu", "spark", "serving"],
+    deadline=run_deadline(cfg.deadline_min * 60),
     doc_md=__doc__,
     params=strict_params({
         "train": Param("auto", type="string", enum=["auto", "always", "never"],

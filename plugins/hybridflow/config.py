@@ -132,6 +132,8 @@ class NightlyConfig:
     device: str = "auto"
     # The MLflow experiment each training task is a run of (stored verbatim).
     mlflow_experiment: str = "nightly_training"
+    # A run not done this many minutes after it was queued alerts on-call with the stage it is in.
+    deadline_min: float = 240.0
 
     @property
     def cron(self) -> str | None:
@@ -153,6 +155,9 @@ class NightlyConfig:
             raise ConfigError(f"{where}.min_auc_gain: {self.min_auc_gain}; expected a value in [0, 1)")
         if not self.learning_rate > 0:
             raise ConfigError(f"{where}.learning_rate: {self.learning_rate}; expected a positive number")
+        if not 0 < self.deadline_min < math.inf:
+            raise ConfigError(f"{where}.deadline_min: {self.deadline_min}; expected minutes > 0 (a run not done "
+                              "this long after it was queued alerts on-call)")
         if self.device not in DEVICES:
             raise ConfigError(f"{where}.device: {self.device!r}; choose one of {', '.join(DEVICES)}")
         try:

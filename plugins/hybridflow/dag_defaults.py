@@ -18,6 +18,21 @@ def failure_alert(stage: str | None = None) -> OnCallNotifier:
                           log_lines=alerts.log_lines, stage=stage)
 
 
+def run_deadline(seconds: float):
+    """A run not done ``seconds`` after it was queued alerts on-call with the stage it is in (kind ``late``, the
+    failure alert's sinks; see hybridflow/notifiers/deadline.py). Queued, not the data interval: a manual run or
+    a backfill started late gets the same time as a scheduled night."""
+    from airflow.sdk import AsyncCallback, DeadlineAlert, DeadlineReference
+
+    from hybridflow.notifiers.deadline import missed_deadline
+
+    alerts = pipeline_config().alerts
+    return DeadlineAlert(reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=timedelta(seconds=seconds),
+                         callback=AsyncCallback(missed_deadline, kwargs={
+                             "deadline_s": seconds, "sink_conn_id": alerts.sink_conn_id,
+                             "dedup_window_s": alerts.dedup_window_s}))
+
+
 # Hadoop's own umask (not the process's) sets what Spark writes: 002, shared storage stays group-writable.
 SPARK_CONF = {"spark.ui.enabled": "false", "spark.log.level": "WARN",
               "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1",

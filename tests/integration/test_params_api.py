@@ -18,7 +18,7 @@ from helpers.rest import call, local_api_when_up
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
 DAGS = ("nightly_training", "workload_router", "oncall_rollback_model", "oncall_training_job", "release_model",
-        "platform_healthcheck", "cluster_preflight", "reliability_probe", "slurm_reconciler")
+        "platform_healthcheck", "cluster_preflight", "reliability_probe", "deadline_probe", "slurm_reconciler")
 DRY_RUN = ("nightly_training", "workload_router")
 # Valid values for params without a default, so that a refusal names the bad param; Slurm knows no such job.
 REQUIRED = {"oncall_training_job": '"job_id": "999999999", "reason": "params api test"',
@@ -57,6 +57,8 @@ REFUSED = [
     ("cluster_preflight", '{"gpus_per_node": 2.0}', "gpus_per_node", None, NOT_INT),
     ("cluster_preflight", f'{{"nodes": {HUGE}}}', "nodes", None, ABOVE),
     ("reliability_probe", '{"sleep_s": 1e2}', "sleep_s", None, NOT_INT),
+    ("deadline_probe", '{"sleep_s": 601}', "sleep_s", None, ABOVE),
+    ("deadline_probe", '{"sleep_s": "60"}', "sleep_s", None, NOT_INT),
     ("reliability_probe", f'{{"sleep_s": {HUGE}}}', "sleep_s", None, ABOVE),
     # numbers (the router's measured profile): non-finite, huge, negative, wrong types
     ("workload_router", '{"profile": {"gpu_speedup": 1e400}}', "profile", "gpu_speedup", ABOVE),
@@ -147,6 +149,7 @@ ACCEPTED_BY_SCHEMA = [
     ("platform_healthcheck", {"partition": "cpu", "run_spark": False, "spark_conn_id": "spark_standalone"}),
     ("cluster_preflight", {"nodes": 64, "gpus_per_node": 8, "hidden_sizes": "4096,4096,2048,1024"}),
     ("reliability_probe", {"sleep_s": 600}),
+    ("deadline_probe", {"sleep_s": 1}),
     ("slurm_reconciler", {"dry_run": True, "grace_s": 0, "dag_ids": ["nightly_training", "workload_router"]}),
 ]
 

@@ -107,6 +107,8 @@ def mutate(path: str, value):
         ("serving.release.no_traffic", "ignore", "serving.release.no_traffic: 'ignore'; choose one of wait, promote"),
         ("serving.release.shadow_s", -1, "serving.release.shadow_s: -1.0; expected seconds >= 0"),
         ("serving.release.step_timeout_s", 0, "serving.release.step_timeout_s: 0.0; expected seconds > 0"),
+        ("nightly.deadline_min", 0, "pipeline.nightly.deadline_min: 0.0; expected minutes > 0"),
+        ("nightly.deadline_min", "4h", "nightly.deadline_min: expected float, got str '4h'"),
         ("serving.release.approval_timeout_s", 0, "serving.release.approval_timeout_s: 0.0; expected seconds > 0"),
         ("serving.release.approval_timeout_s", float("inf"), "approval_timeout_s: inf; expected seconds > 0"),
         ("serving.release.approval_timeout_s", "4h", "approval_timeout_s: expected float, got str '4h'"),
