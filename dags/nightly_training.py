@@ -29,14 +29,13 @@ from datetime import timedelta
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Asset, Param, TaskGroup, task
-from hybridflow.config import DEVICES, model_preset_names, pipeline_config
+from hybridflow.config import DEPLOY_MODES, DEVICES, model_preset_names, pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS, run_deadline, spark_submit_defaults
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, approval_tasks, deploy_kwargs
 from hybridflow.params import integer, strict_params
 from hybridflow.paths import jobs_dir
-from hybridflow.pipeline.nightly import DEPLOY_MODES
 from hybridflow.sensors.checkpoint import CheckpointSensor
 from hybridflow.sensors.slurm import SlurmCapacitySensor
 from hybridflow.timetables import cron_schedule
@@ -82,7 +81,7 @@ with DAG(
     params=strict_params({
         "train": Param("auto", type="string", enum=["auto", "always", "never"],
                        description="auto: train on scheduled and manual runs, not in backfills; always; never."),
-        "deploy": Param("auto", type="string", enum=list(DEPLOY_MODES),
+        "deploy": Param(cfg.deploy, type="string", enum=list(DEPLOY_MODES),
                         description="auto: deploy when this run promotes a model or the server lacks the model of "
                                     "record (never in backfills); always: redeploy the model of record; never; "
                                     "ask: as auto, and after the canary steps a person promotes or rolls back "

@@ -16,14 +16,13 @@ from airflow.sdk import DAG, Param, task
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.triton import TritonRollbackOperator, TritonRollbackPlanOperator, serving_kwargs
-from hybridflow.params import integer, strict_params, text
+from hybridflow.params import model_version, strict_params, text
 from hybridflow.utils.triton import MODEL_NAME_PATTERN
 
 config = pipeline_config()
 serving = config.serving
 served = {**serving_kwargs(serving), "model_name": "{{ params.model_name }}"}
 PLAN = "{{ ti.xcom_pull(task_ids='plan')"
-MAX_VERSION = 2**31 - 1  # far above any real version, far below the 64-bit ints the task runner can carry
 
 with DAG(
     dag_id="oncall_rollback_model",
@@ -36,7 +35,7 @@ with DAG(
     params=strict_params({
         "model_name": Param(serving.model_name, **text(MODEL_NAME_PATTERN),
                             description="The Triton model to roll back (letters, digits, '_', '.', '-')."),
-        "version": Param(0, **integer(0, MAX_VERSION),
+        "version": Param(0, **model_version(0),
                          description="The version to restore; 0 restores the version promoted before the one "
                                      "serving now."),
     }),

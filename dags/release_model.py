@@ -19,11 +19,10 @@ from airflow.sdk import DAG, Param
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS
 from hybridflow.operators.triton import APPROVALS, TritonDeployOperator, approval_tasks, deploy_kwargs
-from hybridflow.params import integer, strict_params, text
+from hybridflow.params import model_version, strict_params, text
 from hybridflow.utils.triton import MODEL_NAME_PATTERN
 
 serving = pipeline_config().serving
-MAX_VERSION = 2**31 - 1  # far above any real version, far below the 64-bit ints the task runner can carry
 
 with DAG(
     dag_id="release_model",
@@ -36,7 +35,7 @@ with DAG(
     params=strict_params({
         "model_name": Param(serving.model_name, **text(MODEL_NAME_PATTERN),
                             description="The Triton model (letters, digits, '_', '.', '-')."),
-        "version": Param(**integer(1, MAX_VERSION),
+        "version": Param(**model_version(1),
                          description="The published version to release (its folder in the model repository)."),
         "approval": Param("ask", type="string", enum=list(APPROVALS),
                           description="ask: a person promotes or rolls back after the canary steps; auto: promote "

@@ -200,7 +200,9 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
     if scoring:
         lines.append(f"champion: {scoring.get('version_uri')} ({scoring.get('uri')})")
         lines.append(f"scoring: model of record {scoring.get('version')} -> {predictions}")
-    deploy = get("deploy.deploy_model") or xcom(api, NIGHTLY, run_id, "deploy.deploy_model", "deploy_report") or {}
+    # a release held for approval (deploy=ask) ends in finish_release, as the person decided
+    deploy = (get("deploy.finish_release") or get("deploy.deploy_model")
+              or xcom(api, NIGHTLY, run_id, "deploy.deploy_model", "deploy_report") or {})
     if deploy:
         latency = deploy.get("latency") or {}
         lines.append(f"serving: Triton model {deploy.get('model')} version {deploy.get('version')} "

@@ -36,6 +36,8 @@ ENV_REF = re.compile(r"\$\{(?P<name>[A-Z_][A-Z0-9_]*)(?::-(?P<default>[^}]*))?\}
 # What a training run may ask for (nightly_training's param `device`): auto decides by the measured figures of
 # `placement` (hybridflow.pipeline.placement); gpu and cpu win over them.
 DEVICES = ("auto", "gpu", "cpu")
+# nightly_training's param `deploy`; ask: as auto, then a person approves the promotion
+DEPLOY_MODES = ("auto", "always", "never", "ask")
 SLURM_PARTITION = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -130,6 +132,9 @@ class NightlyConfig:
     max_active_runs: int = 3
     # CPU or GPU for training: auto (the placement rule), gpu or cpu; the param `device` of nightly_training.
     device: str = "auto"
+    # The default of the param `deploy` (scheduled runs take it): auto, ask (a person approves each promotion),
+    # always or never.
+    deploy: str = "auto"
     # The MLflow experiment each training task is a run of (stored verbatim).
     mlflow_experiment: str = "nightly_training"
     # A run not done this many minutes after it was queued alerts on-call with the stage it is in.
@@ -160,6 +165,8 @@ class NightlyConfig:
                               "this long after it was queued alerts on-call)")
         if self.device not in DEVICES:
             raise ConfigError(f"{where}.device: {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.deploy not in DEPLOY_MODES:
+            raise ConfigError(f"{where}.deploy: {self.deploy!r}; choose one of {', '.join(DEPLOY_MODES)}")
         try:
             validate_experiment_name(self.mlflow_experiment, f"{where}.mlflow_experiment")
         except ValueError as error:

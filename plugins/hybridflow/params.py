@@ -26,14 +26,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from airflow.sdk import Param
 
-__all__ = ["DRAFT4", "NOT_NAN", "anchored", "closed_object", "date", "field_union", "integer", "is_anchored",
-           "number", "schema_problems", "strict_params", "text", "workload_config"]
+__all__ = ["DRAFT4", "MAX_VERSION", "NOT_NAN", "anchored", "closed_object", "date", "field_union", "integer",
+           "is_anchored", "model_version", "number", "schema_problems", "strict_params", "text", "workload_config"]
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
 END = r"$(?!\n)"
 # Only NaN is both >= 1 and <= -1 (every comparison with it is false), so `not` of this refuses NaN alone.
 NOT_NAN = {"not": {"title": "NaN (not a number)", "type": "number", "minimum": 1, "maximum": -1}}
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+MAX_VERSION = 2**31 - 1  # far above any real model version, far below the 64-bit ints the task runner can carry
 
 
 def _strip_end_anchor(body: str) -> str:
@@ -90,6 +91,11 @@ def integer(minimum: int, maximum: int, **extra: Any) -> dict[str, Any]:
 def number(minimum: float, maximum: float, **extra: Any) -> dict[str, Any]:
     """A finite number in [minimum, maximum]: the bounds refuse +-inf, :data:`NOT_NAN` refuses NaN."""
     return {"type": "number", "minimum": minimum, "maximum": maximum, **NOT_NAN, **extra}
+
+
+def model_version(minimum: int, **extra: Any) -> dict[str, Any]:
+    """A model version number (Triton's numbering; 0 where the DAG reads it as "the one before")."""
+    return integer(minimum, MAX_VERSION, **extra)
 
 
 def text(pattern: str, **extra: Any) -> dict[str, Any]:

@@ -107,6 +107,7 @@ def mutate(path: str, value):
         ("serving.release.no_traffic", "ignore", "serving.release.no_traffic: 'ignore'; choose one of wait, promote"),
         ("serving.release.shadow_s", -1, "serving.release.shadow_s: -1.0; expected seconds >= 0"),
         ("serving.release.step_timeout_s", 0, "serving.release.step_timeout_s: 0.0; expected seconds > 0"),
+        ("nightly.deploy", "sometimes", "pipeline.nightly.deploy: 'sometimes'; choose one of auto, always, never, ask"),
         ("nightly.deadline_min", 0, "pipeline.nightly.deadline_min: 0.0; expected minutes > 0"),
         ("nightly.deadline_min", "4h", "nightly.deadline_min: expected float, got str '4h'"),
         ("serving.release.approval_timeout_s", 0, "serving.release.approval_timeout_s: 0.0; expected seconds > 0"),

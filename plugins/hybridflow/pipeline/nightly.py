@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass
 from datetime import date, timedelta
 from typing import Any
 
+from hybridflow.config import DEPLOY_MODES
+
 MODES = ("auto", "always", "never")
-DEPLOY_MODES = (*MODES, "ask")  # ask: as auto, then a person approves the promotion
 
 
 @dataclass(frozen=True)
