@@ -33,7 +33,9 @@ SLURM_WILDCARD_PORTS = {6819}
 RUN_PREFIX = "reliability_hostile__"
 # Valid values for params that have no default, so that a refusal names the hostile param. The job id is one
 # Slurm does not know: the on-call DAG then refuses without touching any job.
-REQUIRED_VALUES = {"oncall_training_job": {"job_id": "999999999", "reason": "reliability probe"}}
+REQUIRED_VALUES = {"oncall_training_job": {"job_id": "999999999", "reason": "reliability probe"},
+                   # a run let through releases a version of no model: it fails at once, touching nothing
+                   "release_model": {"model_name": "hostile_params_no_such_model", "version": 1}}
 
 
 @pytest.fixture(scope="module")
