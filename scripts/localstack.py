@@ -1414,7 +1414,12 @@ def cmd_up(names: list[str]) -> int:
             restart = True
             log(f"{svc.name}: running as uid {proc_uid(svc.owned_pid())}, not {SERVICE_USER}; restarting it")
             stop_pid(svc.name, svc.owned_pid())
-        if not restart and svc.ready():
+        if not restart and svc.name.startswith("airflow") and svc.pidfile.exists() and not svc.owned_pid() \
+                and svc.ready():
+            # Its health is the api-server's view of its last heartbeat, which stays "healthy" for a while after
+            # the process died (a SIGKILL): this checkout started it and it is gone, so it starts again.
+            log(f"{svc.name}: its process is gone (the health endpoint still shows its last heartbeat); starting it")
+        elif not restart and svc.ready():
             note = "" if svc.owned_pid() else " (not started by this checkout; left alone by `down`)"
             log(f"{svc.name}: already up{note}")
             continue

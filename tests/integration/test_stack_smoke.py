@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -217,3 +219,29 @@ def test_local_stack_status_reports_every_service_up(stack):
         "s3", "airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer",
     }
     assert all(r["up"] for r in rows)
+
+
+def test_up_starts_an_airflow_component_whose_process_died_while_its_last_heartbeat_looks_healthy(stack):
+    """A SIGKILLed triggerer still shows "healthy" on the api-server's health endpoint for a while (its last
+    heartbeat is recent): `up` must start it again, not say "already up" and leave it down. A second `up` then
+    finds it running."""
+    def triggerer() -> dict:
+        rows = subprocess.run([sys.executable, str(REPO / "scripts/localstack.py"), "status", "--json"],
+                              capture_output=True, text=True, check=True, env=dict(os.environ)).stdout
+        return next(row for row in json.loads(rows) if row["service"] == "airflow-triggerer")
+
+    def up() -> str:
+        return subprocess.run([sys.executable, str(REPO / "scripts/localstack.py"), "up", "airflow-triggerer"],
+                              capture_output=True, text=True, check=True, env=dict(os.environ)).stdout
+
+    killed = triggerer()["pid"]
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{killed}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first = up()
+    assert "airflow-triggerer: its process is gone" in first and "airflow-triggerer: starting" in first, first
+    started = triggerer()
+    assert started["up"] and started["pid"] not in (None, killed)
+    assert "airflow-triggerer: already up" in up()
+    assert triggerer()["pid"] == started["pid"]
