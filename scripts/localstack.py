@@ -1223,7 +1223,9 @@ def airflow_env() -> dict[str, str]:
         "MLFLOW_TRACKING_URI": mlflow_url(),
         "MLFLOW_TRACKING_USERNAME": MLFLOW_CLIENT_USER,
         "MLFLOW_TRACKING_PASSWORD": mlflow_client_password(),
-        "PATH": f"{VENV / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        # Fixed, not the caller's: `up` from another shell or interpreter (pyenv's shims rewrite PATH) must not look
+        # like a changed environment and restart every running component.
+        "PATH": f"{VENV / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     }
     for conn_id, spec in render_connections().items():
         env[f"AIRFLOW_CONN_{conn_id.upper()}"] = json.dumps(spec, sort_keys=True)

@@ -223,8 +223,8 @@ def test_local_stack_status_reports_every_service_up(stack):
 
 def test_up_starts_an_airflow_component_whose_process_died_while_its_last_heartbeat_looks_healthy(stack):
     """A SIGKILLed triggerer still shows "healthy" on the api-server's health endpoint for a while (its last
-    heartbeat is recent): `up` must start it again, not say "already up" and leave it down. A second `up` then
-    finds it running."""
+    heartbeat is recent): `up` must start it again, not say "already up" and leave it down. A second `up`, and one
+    from another interpreter, then find everything running."""
     def triggerer() -> dict:
         rows = subprocess.run([sys.executable, str(REPO / "scripts/localstack.py"), "status", "--json"],
                               capture_output=True, text=True, check=True, env=dict(os.environ)).stdout
@@ -245,3 +245,8 @@ def test_up_starts_an_airflow_component_whose_process_died_while_its_last_heartb
     assert started["up"] and started["pid"] not in (None, killed)
     assert "airflow-triggerer: already up" in up()
     assert triggerer()["pid"] == started["pid"]
+    # Another interpreter and PATH than the last `up` (make's /usr/bin/python3; pyenv's shims rewrite PATH): the
+    # components' environment is the same, so nothing restarts.
+    again = subprocess.run(["/usr/bin/python3", str(REPO / "scripts/localstack.py"), "up"], capture_output=True,
+                           text=True, check=True, env={**os.environ, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}).stdout
+    assert "starting" not in again, again
