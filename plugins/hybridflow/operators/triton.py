@@ -71,6 +71,19 @@ def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+def version_number(value: int | str | None, name: str, hint: str) -> int:
+    """A version number from an argument that may be rendered template text; empty is 0."""
+    text = str(value).strip() if value not in (None, "") else "0"
+    if not text.isdigit():
+        raise ConfigError(f"{name} {value!r}: give {hint}")
+    return int(text)
+
+
+def awaiting_approval(report: dict | None) -> bool:
+    """Whether a deploy report holds a release for a person (``approval: ask``)."""
+    return bool(((report or {}).get("release") or {}).get("awaiting_approval"))
+
+
 def step_label(mode: str, share: int) -> str:
     return "shadow" if mode == "shadow" else f"canary {share}%"
 
@@ -362,10 +375,7 @@ class TritonDeployOperator(TritonServingOperator):
                               "guard_port (the guard splits the traffic); add the extra, or use strategy: direct")
 
     def published_version(self) -> int:
-        text = str(self.version).strip() if self.version not in (None, "") else "0"
-        if not text.isdigit():
-            raise ConfigError(f"version {self.version!r}: give a published version number (0: publish export_dir)")
-        return int(text)
+        return version_number(self.version, "version", "a published version number (0: publish export_dir)")
 
     def release_steps(self) -> list[tuple[str, int]]:
         """``(mode, candidate share)`` of each judged step: shadow (when ``shadow_s``), then the canary shares
@@ -700,7 +710,7 @@ class TritonReleaseDecisionOperator(TritonServingOperator):
 
         ti = context["ti"]
         report = ti.xcom_pull(task_ids=self.deploy_task_id, key=XCOM_REPORT) or {}
-        if not (report.get("release") or {}).get("awaiting_approval"):
+        if not awaiting_approval(report):
             raise final(TritonError(f"{self.deploy_task_id} holds no release awaiting approval "
                                     f"({report.get('reason')}); nothing to decide"))
         try:
@@ -776,7 +786,7 @@ def held_release(deploy_task_id: str, timeout_s: float, ti=None) -> dict | bool:
     from hybridflow.utils.release import approval_request
 
     report = ti.xcom_pull(task_ids=deploy_task_id, key=XCOM_REPORT) or {}
-    if not (report.get("release") or {}).get("awaiting_approval"):
+    if not awaiting_approval(report):
         print(f"No approval to ask: the deploy {'promoted' if report.get('promoted') else 'did not hold'} "
               f"{report.get('model')} version {report.get('version')}")
         return False
@@ -805,25 +815,18 @@ class TritonRollbackOperator(TritonServingOperator):
         self.version = version
         self.from_version = from_version
 
-    @staticmethod
-    def _number(value: int | str, name: str) -> int:
-        text = str(value).strip() if value not in (None, "") else "0"
-        if not text.isdigit():
-            raise ConfigError(f"{name} {value!r}: give a version number, or 0")
-        return int(text)
-
     def plan(self) -> dict[str, Any]:
         """``{"model", "version", "from_version"}``: what this rollback would do now (0 = nothing serving)."""
         from hybridflow.utils.triton import rollback_target
 
         self.validate_names()
         current, records = self.serving()
-        target = self._number(self.version, "version")
+        target = version_number(self.version, "version", "a version number, or 0")
         release = (self.hook.release(self.model_name) or {}).get("release") if self.hook.guard_url else None
         if release and release["mode"] != "stable":
             # A release in shadow or canary: rolling back ends it, back to the version it judges against.
             current, target = release["candidate"], target or release["stable"]
-        current = self._number(self.from_version, "from_version") or current
+        current = version_number(self.from_version, "from_version", "a version number, or 0") or current
         if target and target not in records:
             raise ConfigError(f"version {target} of {self.model_name} is not a complete version in {self.repo.uri}; "
                               f"complete versions: {sorted(records)}")
