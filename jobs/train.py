@@ -28,6 +28,7 @@ config file's directory; keys starting with "_" are comments)::
       "log_every_steps": 10,                            optional: loss curve resolution
       "progress_every_s": 5,                            optional: progress.json at most this often
       "gpu_sample_every_s": 5,                          optional: nvidia-smi sampling period
+      "heartbeat_every_s": 5,                           optional: each rank's heartbeat file (the stall watch)
       "torch_threads": 4,                               optional; default SLURM_CPUS_PER_TASK, else torch's
       "collective_timeout_s": 300,                      optional: a collective (or the rendezvous) waiting
                                                         longer for a dead or stuck rank fails the job

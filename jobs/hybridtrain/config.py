@@ -61,6 +61,7 @@ _KNOWN_KEYS = frozenset(
         "log_every_steps",
         "progress_every_s",
         "gpu_sample_every_s",
+        "heartbeat_every_s",
         "torch_threads",
         "collective_timeout_s",
         "allreduce_sample_every_steps",
@@ -105,6 +106,7 @@ class RunConfig:
     log_every_steps: int = 10
     progress_every_s: float = 5.0
     gpu_sample_every_s: float = 5.0
+    heartbeat_every_s: float = 5.0
     torch_threads: int | None = None
     collective_timeout_s: float = 300.0
     allreduce_sample_every_steps: int = 25
@@ -290,6 +292,7 @@ def parse_run_config(data: Mapping[str, Any], *, config_path: Path, default_pres
     log_every_steps = check.integer(data, "log_every_steps", minimum=1, required=False, default=10)
     progress_every_s = check.positive_number(data, "progress_every_s", default=5.0)
     gpu_sample_every_s = check.positive_number(data, "gpu_sample_every_s", default=5.0)
+    heartbeat_every_s = check.positive_number(data, "heartbeat_every_s", default=5.0)
     torch_threads = check.integer(data, "torch_threads", minimum=1, required=False)
     collective_timeout_s = check.positive_number(data, "collective_timeout_s", default=300.0)
     allreduce_sample_every_steps = check.integer(
@@ -331,6 +334,7 @@ def parse_run_config(data: Mapping[str, Any], *, config_path: Path, default_pres
         log_every_steps=log_every_steps,
         progress_every_s=progress_every_s,
         gpu_sample_every_s=gpu_sample_every_s,
+        heartbeat_every_s=heartbeat_every_s,
         torch_threads=torch_threads,
         collective_timeout_s=collective_timeout_s,
         allreduce_sample_every_steps=allreduce_sample_every_steps,

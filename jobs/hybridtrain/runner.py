@@ -2,9 +2,10 @@
 
 Files under ``run_dir``: ``progress.json`` (see ``progress``), ``checkpoints/step_<n>/`` (see
 ``checkpoints``), ``metrics.json`` (written once training finished), ``gpu_metrics.rank<r>.jsonl`` (see
-``gpu``), ``step_metrics.jsonl`` (rank 0's step figures, see ``tracking``), ``export/`` (see ``export``) and
-``torch_extensions/`` (TORCH_EXTENSIONS_DIR, unless set: DeepSpeed builds nothing there unless a config asks
-for a JIT op). Every rank writes its checkpoint shards and its own GPU samples; only rank 0 writes the others.
+``gpu``), ``heartbeats/rank<r>.json`` (see ``heartbeat``), ``step_metrics.jsonl`` (rank 0's step figures, see
+``tracking``), ``export/`` (see ``export``) and ``torch_extensions/`` (TORCH_EXTENSIONS_DIR, unless set: DeepSpeed
+builds nothing there unless a config asks for a JIT op). Every rank writes its checkpoint shards, its own GPU
+samples and its heartbeat; only rank 0 writes the others.
 
 One optimizer step is ``gradient_accumulation_steps`` micro-batches of ``batch_size`` rows on every rank: the
 loop calls ``engine.backward`` and ``engine.step`` per micro-batch, and DeepSpeed (0.19.8,
@@ -52,6 +53,7 @@ from hybridtrain.gpu import (
     read_run_gpu_metrics,
     summarise_gpu_metrics,
 )
+from hybridtrain.heartbeat import Heartbeat
 from hybridtrain.launch import (
     describe_ranks,
     distributed_environment,
@@ -140,6 +142,7 @@ class TrainingJob:
         self.stop = stop
         self.rank = 0
         self.reporter: ProgressReporter | None = None
+        self.heartbeat: Heartbeat | None = None
         self.started = started
 
     # --- the attempt ----------------------------------------------------------------------------------------
@@ -150,10 +153,22 @@ class TrainingJob:
         os.environ.update(environment)
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(config.run_dir / "torch_extensions"))
         self.rank = int(environment["RANK"])
-        world_size = int(environment["WORLD_SIZE"])
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
+        self.heartbeat = Heartbeat(config.run_dir, rank=self.rank, node=node_name(os.environ, platform.node()),
+                                   environ=os.environ, every_s=config.heartbeat_every_s).start()
+        try:
+            code = self._run(environment)
+        except BaseException:
+            self.heartbeat.stop("failed")
+            raise
+        self.heartbeat.stop("exited")
+        return code
 
+    def _run(self, environment: Mapping[str, str]) -> ExitCode:
+        config = self.config
+        world_size = int(environment["WORLD_SIZE"])
+        self.heartbeat.beat(phase="loading data")
         data = prepare_data(config)
         plan = make_plan(
             n_train_rows=len(data.train_y),
@@ -205,6 +220,7 @@ class TrainingJob:
         )
         for note in notes:
             log.info("DeepSpeed config: %s", note)
+        self.heartbeat.beat(phase="rendezvous")
         try:
             trainer = _Trainer(self, data, plan, ds_config, restarts)
             code = trainer.train()
@@ -268,6 +284,7 @@ class _Trainer:
         self.restarts = restarts
         self.rank = job.rank
         self.reporter = job.reporter
+        self.heartbeat = job.heartbeat
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
         threads = self.config.torch_threads or _slurm_cpus(os.environ)
@@ -327,6 +344,7 @@ class _Trainer:
 
     def train(self) -> ExitCode:
         torch = self.torch
+        self.heartbeat.beat(phase="resuming")
         self._resume()
         # Every rank samples the GPU(s) Slurm bound to it, into its own file (see hybridtrain.gpu).
         sampler = GpuSampler(
@@ -341,6 +359,7 @@ class _Trainer:
             self.loop_started = time.monotonic()
             self.reporter.restart_rate(self.step)
             self._report("training", force=True)
+            self.heartbeat.beat(step=self.step, phase="training")
             loss_sum = torch.zeros((), device=self.device)
             losses = 0
             self.engine.train()
@@ -361,6 +380,7 @@ class _Trainer:
                     self.ds.synchronize(self.device)
                     self._measure_allreduce(time.perf_counter() - started)
                 self.step += 1
+                self.heartbeat.beat(step=self.step)
                 if self.step % self.config.log_every_steps == 0 or self.step == self.plan.total_steps:
                     self._record_loss(self.ds.mean_across_ranks(loss_sum / losses))
                     loss_sum.zero_()
@@ -493,6 +513,7 @@ class _Trainer:
         dist = self.torch.distributed
         step_dir = self.config.checkpoints_dir / step_dir_name(self.step)
         self._report("checkpointing", force=True)
+        self.heartbeat.beat(phase="checkpointing")
         if evaluate:
             self.evaluation = self._evaluate()
             self._record_evaluation()
@@ -558,6 +579,7 @@ class _Trainer:
                     remove_checkpoint(old)
         self.last_checkpoint = self.step
         self._report("training", force=True)
+        self.heartbeat.beat(phase="training")
 
     def _evaluate(self) -> dict[str, Any]:
         """Holdout AUC and log loss of the current weights, on every rank (a ZeRO-3 forward is collective)."""
@@ -569,6 +591,7 @@ class _Trainer:
                 chunk = torch.from_numpy(self.data.holdout_x[start : start + _EVAL_CHUNK_ROWS])
                 output = self.engine(chunk.to(self.device, dtype=self.dtype)).float().squeeze(1)
                 logits.append(output.cpu().numpy())
+                self.heartbeat.beat()
         self.engine.train()
         scores = np.concatenate(logits).astype(np.float64)
         probabilities = 1.0 / (1.0 + np.exp(-scores))
@@ -652,6 +675,7 @@ class _Trainer:
         return ExitCode.OK
 
     def _finish(self) -> ExitCode:
+        self.heartbeat.beat(phase="finishing")
         if self.evaluation is None or self.evaluation["step"] != self.step:
             self.evaluation = self._evaluate()
             self._record_evaluation()

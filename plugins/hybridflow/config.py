@@ -281,6 +281,66 @@ class ServingConfig:
                 raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive number")
 
 
+FAILURE_ACTIONS = ("requeue", "retry", "fail", "exclude_node")
+_SLURM_STATE = re.compile(r"[A-Z][A-Z_]*")
+_RUNBOOK_REF = re.compile(r"[a-z0-9_-]+\.md#[a-z0-9-]+")
+
+
+@dataclass(frozen=True)
+class FailureClass:
+    """One row of the failure-class table: what a Slurm job ended with, and what the operator does about it.
+
+    Every criterion given must match: the job's state (one of ``states``), exit code, signal, and
+    ``log_pattern`` (a regular expression searched in the last lines of the job's log). ``action``: ``requeue``
+    (the same job again, resuming from its checkpoint; up to the cluster's ``max_requeues``), ``retry`` (the task
+    fails and Airflow's retries submit a new job), ``fail`` (the task fails at once, no retry: retrying cannot
+    help), ``exclude_node`` (the job's node failed its self-check: submit once more without that node).
+    ``runbook``: ``<file>.md#<section>`` under include/runbooks.
+    """
+
+    action: str
+    runbook: str
+    states: tuple[str, ...] = ()
+    exit_codes: tuple[int, ...] = ()
+    signals: tuple[int, ...] = ()
+    log_pattern: str = ""
+
+    def validate(self, where: str) -> None:
+        check_one_of(self.action, FAILURE_ACTIONS, f"{where}.action")
+        check_text(self.runbook, f"{where}.runbook", _RUNBOOK_REF)
+        if not (include_dir() / "runbooks" / self.runbook.split("#")[0]).is_file():
+            raise ConfigError(f"{where}.runbook: {self.runbook!r}; no such file under include/runbooks")
+        for index, state in enumerate(self.states):
+            check_text(state, f"{where}.states[{index}]", _SLURM_STATE)
+        for name in ("exit_codes", "signals"):
+            for index, value in enumerate(getattr(self, name)):
+                check_integer(value, f"{where}.{name}[{index}]", 0)
+        if self.log_pattern:
+            try:
+                re.compile(self.log_pattern)
+            except re.error as exc:
+                raise ConfigError(f"{where}.log_pattern: {self.log_pattern!r} is not a regular expression: "
+                                  f"{exc}") from None
+        if not (self.states or self.exit_codes or self.signals or self.log_pattern):
+            raise ConfigError(f"{where}: matches nothing; give states, exit_codes, signals or log_pattern")
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """How Slurm jobs heal: the stall watch (training ranks' heartbeats) and the failure-class table, in order
+    (the first class that matches a job's end decides)."""
+
+    stall_timeout_s: float = 900.0
+    max_stall_restarts: int = 2
+    failure_classes: Mapping[str, FailureClass] = field(default_factory=dict)
+    log_lines: int = 200  # the job log's last lines searched for a class's log_pattern
+
+    def validate(self, where: str) -> None:
+        check_number(self.stall_timeout_s, f"{where}.stall_timeout_s", 10)
+        check_integer(self.max_stall_restarts, f"{where}.max_stall_restarts", 0)
+        check_integer(self.log_lines, f"{where}.log_lines", 1)
+
+
 @dataclass(frozen=True)
 class AlertsConfig:
     """Where on-call alerts go: always the local sink (a JSON-lines file); also a webhook connection if named."""
@@ -404,6 +464,7 @@ class PipelineConfig:
     costs: CostConfig
     alerts: AlertsConfig
     reconciler: ReconcilerConfig
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     # absent: no figures, so every run keeps the GPU (what the suite did before placement existed)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 

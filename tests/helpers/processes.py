@@ -26,3 +26,20 @@ def wait_group_gone(group: int, timeout_s: float = 10) -> list[int]:
     while (left := live_group_members(group)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+def rank_pids(job_id: str) -> dict[int, int]:
+    """The training processes of a Slurm job by rank, read from /proc (the job runs on this machine)."""
+    ranks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            variables = (entry / "environ").read_bytes().split(b"\0")
+            environ = dict(item.split(b"=", 1) for item in variables if b"=" in item)
+        except OSError:
+            continue
+        if any(arg.endswith(b"train.py") for arg in cmdline) and environ.get(b"SLURM_JOB_ID") == job_id.encode():
+            ranks[int(environ[b"SLURM_PROCID"])] = int(entry.name)
+    return ranks

@@ -11,10 +11,10 @@ import re
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.processes import rank_pids
 from hybridflow.operators.training import DeepSpeedTrainingOperator
 from hybridflow.utils.slurm import deterministic_job_name, render_sbatch_script
 
@@ -63,23 +63,6 @@ def wait_progress(hook, run_dir: str, predicate, what: str, timeout_s: float = 2
 
 def job_log(hook, status) -> str:
     return (hook.read_text(status.stdout_path) or "") + (hook.read_text(status.stderr_path) or "")
-
-
-def rank_pids(job_id: str) -> dict[int, int]:
-    """The training processes of a Slurm job by rank, read from /proc (the job runs on this machine)."""
-    ranks = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            variables = (entry / "environ").read_bytes().split(b"\0")
-            environ = dict(item.split(b"=", 1) for item in variables if b"=" in item)
-        except OSError:
-            continue
-        if any(arg.endswith(b"train.py") for arg in cmdline) and environ.get(b"SLURM_JOB_ID") == job_id.encode():
-            ranks[int(environ[b"SLURM_PROCID"])] = int(entry.name)
-    return ranks
 
 
 def test_two_nodes_train_what_one_rank_with_the_whole_batch_trains(training_area, stack, make_run_config):

@@ -65,8 +65,8 @@ RUNBOOKS: dict[str, str] = {
     "platform_healthcheck": "include/runbooks/platform-healthcheck.md",
     "slurm_reconciler": "include/runbooks/slurm-reconciler.md",
 }
-FAILURE, ACTION, LATE = "failure", "action", "late"
-ALERT_KINDS = (FAILURE, ACTION, LATE)
+FAILURE, ACTION, LATE, STALL, UNHEALTHY_NODE = "failure", "action", "late", "stall", "unhealthy_node"
+ALERT_KINDS = (FAILURE, ACTION, LATE, STALL, UNHEALTHY_NODE)
 
 REDACTED = "[REDACTED]"
 _SECRET_KEY_NAME = (r"[\w.-]*?(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key)"

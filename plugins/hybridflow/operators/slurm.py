@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
-from hybridflow.config import ClusterConfig
+from hybridflow.config import ClusterConfig, RecoveryConfig
 from hybridflow.exceptions import SlurmConnectionError, SlurmJobFailed
 from hybridflow.ui import SlurmJobLink
 
@@ -49,6 +49,14 @@ class SlurmSubmitOperator(BaseOperator):
     :param requeue: let Slurm requeue the job on preemption or node failure; followed up to ``max_requeues``.
     :param signal: ``SIG@seconds`` sent before the time limit so the job can checkpoint.
     :param deferrable: wait in the triggerer (default) instead of holding a worker slot.
+    :param stall_timeout_s: the stall watch (0: off): the ranks write heartbeats into ``heartbeat_dir``
+        (templated; jobs/hybridtrain/heartbeat.py) and the trigger reads them. No rank progressing for this long:
+        the stopped ranks' Python stacks (``py_spy`` on the cluster, through ``srun --overlap``) go into the job's
+        log and an on-call alert, and the job is requeued to resume from its checkpoint, at most
+        ``max_stall_restarts`` times; then it is cancelled and the task fails. Deferrable mode only.
+    :param failure_classes: what a failed job's end means (:class:`~hybridflow.config.FailureClass` rows, first
+        match wins): requeue the same job, let Airflow retry, or fail at once; default the pipeline config's
+        ``recovery.failure_classes``. The task's log, its error and its XCom name the class.
     :param hide_gpus_without_gres: a job that asks for no GPU (``gpus_per_node`` 0) exports
         ``CUDA_VISIBLE_DEVICES=''``, so it runs on its CPUs even on a node whose GPUs Slurm does not fence
         (``ConstrainDevices``): the CPU placement of training and evaluation.
@@ -58,7 +66,7 @@ class SlurmSubmitOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = ("command", "partition", "log_dir", "progress_path", "env", "time_limit",
-                                      "nodes", "gpus_per_node", "ranks_per_node")
+                                      "nodes", "gpus_per_node", "ranks_per_node", "heartbeat_dir")
     template_fields_renderers = {"env": "json"}
     ui_color = "#d9e7ff"
     operator_extra_links = (SlurmJobLink(),)
@@ -92,6 +100,11 @@ class SlurmSubmitOperator(BaseOperator):
         runbook: str = DEFAULT_RUNBOOK,
         deferrable: bool = True,
         hide_gpus_without_gres: bool = False,
+        stall_timeout_s: float = 0.0,
+        max_stall_restarts: int = RecoveryConfig.max_stall_restarts,
+        heartbeat_dir: str = "",
+        py_spy: str = "",
+        failure_classes: Mapping[str, Any] | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -121,7 +134,13 @@ class SlurmSubmitOperator(BaseOperator):
         self.runbook = runbook
         self.deferrable = deferrable
         self.hide_gpus_without_gres = hide_gpus_without_gres
+        self.stall_timeout_s = stall_timeout_s
+        self.max_stall_restarts = max_stall_restarts
+        self.heartbeat_dir = heartbeat_dir
+        self.py_spy = py_spy
+        self._failure_classes = failure_classes
         self.job_id: str | None = None
+        self._context: Context | None = None
 
     @property
     def placement_side(self) -> str:
@@ -167,6 +186,7 @@ class SlurmSubmitOperator(BaseOperator):
         from hybridflow.utils.slurm import render_sbatch_script
         from hybridflow.utils.slurm_jobs import job_to_reattach
 
+        self._context = context
         key = self.job_key(context)
         name = key.job_name
         spec = self.build_spec(name, key.comment())  # validates every field before anything touches the cluster
@@ -186,6 +206,10 @@ class SlurmSubmitOperator(BaseOperator):
 
         if existing is not None and existing.final(self.requeue):
             return self._finish(existing)
+        return self._follow()
+
+    def _follow(self) -> dict:
+        """Wait for the job: deferred (the trigger), or here holding the worker slot."""
         if self.deferrable:
             self.defer(trigger=self._trigger(), method_name="execute_complete",
                        timeout=self.execution_timeout or timedelta(days=7))
@@ -205,6 +229,8 @@ class SlurmSubmitOperator(BaseOperator):
             job_id=self.job_id, ssh_conn_id=self.ssh_conn_id, requeue_enabled=self.requeue,
             max_requeues=self.max_requeues, poll_interval_s=self.poll_interval_s,
             reconnect_budget_s=self.reconnect_budget_s, progress_path=self.progress_path,
+            heartbeat_dir=self.heartbeat_dir if self.stall_timeout_s else "", stall_timeout_s=self.stall_timeout_s,
+            world_size=_whole(self.nodes, "nodes") * max(_whole(self.ranks_per_node, "ranks_per_node"), 1),
         )
 
     def _wait_here(self) -> SlurmJobStatus:
@@ -226,6 +252,12 @@ class SlurmSubmitOperator(BaseOperator):
         self.job_id = event["job_id"]
         if event["status"] == "error":
             raise SlurmConnectionError(f"{event.get('message', 'trigger failed')}. Runbook: {self.runbook}")
+        if event["status"] == "stalled":
+            from hybridflow.utils.stalls import Stall
+
+            self._context = context
+            return self._heal_stall(SlurmJobStatus.from_event(event), Stall.from_event(event["stall"]))
+        self._context = context
         return self._finish(SlurmJobStatus.from_event(event), event.get("message", ""))
 
     def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:
@@ -233,14 +265,145 @@ class SlurmSubmitOperator(BaseOperator):
             tail = self.hook.tail(status.stdout_path, self.log_tail_lines)
             self.log.info("Slurm job %s COMPLETED in %.0f s (TRES %s); last lines of %s:\n%s", status.job_id,
                           status.elapsed_s or 0, dict(status.alloc_tres), status.stdout_path or "its log", tail)
-            return status.to_event()
+            return {**status.to_event(), "recovery": self._recovery_records(status.job_id)}
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from hybridflow.utils.failures import classify
+
         err_path = status.stderr_path or status.stdout_path
-        tail = self.hook.tail(err_path, self.log_tail_lines) or "(no log found)"
-        raise SlurmJobFailed(
-            f"Slurm job {status.job_id} ({status.name}) ended {status.state} with exit code "
-            f"{status.exit_code}:{status.exit_signal} after {status.elapsed_s or 0:.0f} s. {message}\n"
-            f"Last lines of {err_path or 'its log'}:\n{tail}\nRunbook: {self.runbook}"
-        )
+        recovery = self._recovery_config
+        log_text = self.hook.tail(err_path, recovery.log_lines) if err_path else ""
+        verdict = classify(self.failure_classes, state=status.state, exit_code=status.exit_code,
+                           signal=status.exit_signal, log_text=log_text)
+        ended = (f"Slurm job {status.job_id} ({status.name}) ended {status.state} with exit code "
+                 f"{status.exit_code}:{status.exit_signal} after {status.elapsed_s or 0:.0f} s: {verdict.describe()}.")
+        if verdict.action == "requeue":
+            why_not = self._cannot_requeue(status)
+            if why_not is None:
+                self._requeue(status, {"kind": "requeue", "class": verdict.name})
+                self.log.warning("%s Requeued (restart %d of max_requeues=%d): it resumes from its checkpoint",
+                                 ended, status.restarts + 1, self.max_requeues)
+                return self._follow()
+            ended += f" Not requeued: {why_not}."
+        tail = "\n".join(log_text.splitlines()[-self.log_tail_lines:]) or "(no log found)"
+        text = (f"{ended} {message}\nLast lines of {err_path or 'its log'}:\n{tail}\n"
+                f"Runbook: include/runbooks/{verdict.runbook}")
+        if verdict.action == "fail":
+            raise AirflowFailException(text)
+        raise SlurmJobFailed(text)
+
+    # --- healing: the failure classes and the stall watch ---------------------------------------------------
+
+    @cached_property
+    def _recovery_config(self) -> RecoveryConfig:
+        from hybridflow.config import pipeline_config
+
+        return pipeline_config().recovery
+
+    @property
+    def failure_classes(self) -> Mapping[str, Any]:
+        return self._recovery_config.failure_classes if self._failure_classes is None else self._failure_classes
+
+    def _cannot_requeue(self, status: SlurmJobStatus) -> str | None:
+        if not self.requeue:
+            return "the job was submitted with requeue=False"
+        if status.restarts >= self.max_requeues:
+            return f"it restarted {status.restarts} times already (max_requeues={self.max_requeues})"
+        return None
+
+    def _recovery_log(self) -> str:
+        from hybridflow.utils.failures import recovery_log_path
+
+        return recovery_log_path(self.log_dir, self.job_name(self._context))
+
+    def _recovery_records(self, job_id: str | None = None) -> list[dict]:
+        """What was done to heal this task's jobs (every job of its name, or only ``job_id``'s)."""
+        from hybridflow.utils.failures import parse_recovery_log
+
+        if getattr(self, "_context", None) is None:
+            return []
+        records = parse_recovery_log(self.hook.read_text(self._recovery_log()))
+        return [r for r in records if job_id is None or str(r.get("job_id")) == job_id]
+
+    def _append(self, path: str, text: str) -> None:
+        """Append ``text`` to a file on the cluster (the path is an argument, the text goes on stdin)."""
+        result = self.hook.run(["sh", "-c", 'cat >> "$1"', "sh", path], stdin=text)
+        if result.returncode != 0:
+            self.log.warning("could not append to %s: %s", path, result.stderr.strip())
+
+    def _requeue(self, status: SlurmJobStatus, record: Mapping[str, Any]) -> None:
+        """``scontrol requeue`` (a running or a finished job: Slurm queues the same job id again) and a line in
+        the recovery log."""
+        from datetime import UTC, datetime
+
+        from hybridflow.utils.failures import recovery_line
+
+        result = self.hook.run(["scontrol", "requeue", status.job_id])
+        if result.returncode != 0:
+            raise SlurmJobFailed(f"scontrol requeue {status.job_id} failed: {result.stderr.strip()}. "
+                                 f"Runbook: {self.runbook}")
+        self._append(self._recovery_log(), recovery_line({
+            **record, "job_id": status.job_id, "restart": status.restarts + 1, "state": status.state,
+            "at": datetime.now(UTC).isoformat(timespec="seconds")}))
+
+    def _heal_stall(self, status: SlurmJobStatus, stall) -> dict:
+        """A stalled job: the stopped ranks' stacks into the job's log and the alert; requeue, or cancel and fail
+        once ``max_stall_restarts`` is spent."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from hybridflow.utils.stalls import stall_count, stall_report
+
+        detected_at = time.time()
+        earlier = stall_count(self._recovery_records(), status.job_id)
+        why_not = self._cannot_requeue(status)
+        if earlier >= self.max_stall_restarts:
+            why_not = f"it stalled {earlier} time(s) before (max_stall_restarts={self.max_stall_restarts})"
+        action = (f"cancelled: {why_not}" if why_not else
+                  f"requeued to resume from its newest checkpoint (stall restart {earlier + 1} of "
+                  f"{self.max_stall_restarts})")
+        stacks = {rank.rank: self._stack(status.job_id, rank) for rank in stall.ranks}
+        report = stall_report(stall, stacks, action)
+        self.log.error("%s", report)
+        self._append(status.stderr_path or status.stdout_path, f"\n{report}\n")
+        if why_not:
+            self.hook.cancel(status.job_id)
+            raise AirflowFailException(f"Slurm job {status.job_id} stalled: {stall.summary()}; {action}. "
+                                       f"Runbook: include/runbooks/training.md#stall\n{report}")
+        self._requeue(status, {"kind": "stall", "stall": stall.to_event(), "detected_at": round(detected_at, 3)})
+        self._alert("stall", f"Slurm job {status.job_id} stalled: {stall.summary()}; {action}", report)
+        return self._follow()
+
+    def _stack(self, job_id: str, rank) -> str:
+        """A stopped rank's Python stack (its main thread's innermost frames), or why there is none."""
+        from hybridflow.utils.stalls import py_spy_argv, top_frames
+
+        if not self.py_spy:
+            return "(not captured: no py_spy configured for this task)"
+        if rank.pid is None or not rank.node:
+            return "(not captured: the rank never reported its process)"
+        try:
+            result = self.hook.run(py_spy_argv(self.py_spy, job_id, rank), timeout_s=90)
+        except Exception as exc:  # noqa: BLE001 (best effort: the requeue matters more than the stack)
+            return f"(not captured: {exc})"
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no output"])[0]
+            return f"(not captured: py-spy exit {result.returncode}: {last})"
+        return top_frames(result.stdout)
+
+    def _alert(self, kind: str, what: str, details: str) -> None:
+        """An on-call alert about something this task did (best effort: never fails the task)."""
+        from hybridflow.config import pipeline_config
+        from hybridflow.notifiers.oncall import OnCallNotifier, build_alert
+
+        alerts = pipeline_config().alerts
+        ti = self._context["ti"]
+        try:
+            alert = build_alert(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, try_number=ti.try_number,
+                                error=what, job_id=self.job_id, remote_log_tail=details, log_lines=alerts.log_lines,
+                                kind=kind)
+            OnCallNotifier(sink_conn_id=alerts.sink_conn_id or None, dedup_window_s=alerts.dedup_window_s).send(alert)
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("could not send the on-call alert (%s): %s", exc, what)
 
     def on_kill(self) -> None:
         if self.job_id:

@@ -100,12 +100,18 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
                  fail_on_low_utilization: bool = NightlyConfig.fail_on_low_utilization,
                  mlflow_conn_id: str | None = "mlflow_default",
                  mlflow_experiment: str = NightlyConfig.mlflow_experiment, **kwargs):
+        # paths derived from run_dir move with it to a generation's directory; ones given explicitly stay
+        from hybridflow.config import pipeline_config
         from hybridflow.utils.mlflow_tracking import validate_experiment_name
 
-        # paths derived from run_dir move with it to a generation's directory; ones given explicitly stay
-        paths_from_run_dir = {key for key in ("log_dir", "progress_path") if key not in kwargs}
+        paths_from_run_dir = {key for key in ("log_dir", "progress_path", "heartbeat_dir") if key not in kwargs}
         kwargs.setdefault("log_dir", f"{run_dir}/logs")
         kwargs.setdefault("progress_path", f"{run_dir}/progress.json")
+        # the stall watch: every rank's heartbeat under the run directory; py-spy beside the job's interpreter
+        kwargs.setdefault("heartbeat_dir", f"{run_dir}/heartbeats")
+        kwargs.setdefault("stall_timeout_s", pipeline_config().recovery.stall_timeout_s)
+        kwargs.setdefault("max_stall_restarts", pipeline_config().recovery.max_stall_restarts)
+        kwargs.setdefault("py_spy", f"{python.rsplit('/', 1)[0]}/py-spy" if "/" in python else "py-spy")
         kwargs.setdefault("ranks_per_node", kwargs.get("gpus_per_node", 1))
         kwargs.setdefault("hide_gpus_without_gres", True)  # the CPU placement trains on CPUs, whatever the node has
         super().__init__(command=[python, f"{jobs_dir}/train.py", "--config", f"{run_dir}/config.json"], **kwargs)
@@ -136,6 +142,8 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
             self.log_dir = f"{run_dir}/logs"
         if "progress_path" in self._paths_from_run_dir:
             self.progress_path = f"{run_dir}/progress.json"
+        if "heartbeat_dir" in self._paths_from_run_dir:
+            self.heartbeat_dir = f"{run_dir}/heartbeats"
 
     def execute(self, context: Context) -> dict:
         self._apply_generation()  # again for callers that run execute() without rendering first
@@ -308,12 +316,14 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
                 "logged_after_job": logged_now}
 
     def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:
+        from airflow.sdk.exceptions import AirflowFailException
+
         from hybridflow.pipeline.gates import utilization_report
         from hybridflow.utils.slurm_jobs import generation
 
         try:
-            result = super()._finish(status, message)  # raises unless the job COMPLETED
-        except SlurmJobFailed:
+            result = super()._finish(status, message)  # raises unless the job COMPLETED (or defers, requeued)
+        except (SlurmJobFailed, AirflowFailException):
             self._end_mlflow_run_failed(status)
             raise
         metrics = json.loads(self.hook.read_text(f"{self.run_dir}/metrics.json") or "{}")

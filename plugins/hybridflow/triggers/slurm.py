@@ -24,7 +24,9 @@ class SlurmJobTrigger(BaseTrigger):
     """
     Polls the job (scontrol, then sacct once the controller forgot it) with a backoff that restarts whenever
     the state changes, follows it through requeues, logs its progress file, and yields exactly one event:
-    ``{"status": "success"|"failed"|"error", ...}`` with the job's state, exit code, elapsed time and TRES.
+    ``{"status": "success"|"failed"|"error", ...}`` with the job's state, exit code, elapsed time and TRES, or
+    ``{"status": "stalled", "stall": ...}`` when the stall watch is on (``heartbeat_dir``) and no rank of the running
+    job progressed for ``stall_timeout_s`` (see :mod:`hybridflow.utils.stalls`); the operator decides what then.
 
     :param job_id: the Slurm job to follow.
     :param ssh_conn_id: connection to the login node.
@@ -33,6 +35,9 @@ class SlurmJobTrigger(BaseTrigger):
     :param poll_interval_s: the longest wait between two polls.
     :param reconnect_budget_s: how long SSH may stay unreachable before the trigger gives up (the job runs on).
     :param progress_path: the job's progress JSON on the cluster, logged at most every ``progress_every_s``.
+    :param heartbeat_dir: the ranks' heartbeat files on the cluster ("" turns the stall watch off); read while the
+        job runs, at most every ``stall_timeout_s / 4`` seconds (file reads only: no load on slurmctld).
+    :param world_size: the job's ranks (one that never reported is among the stopped).
     """
 
     def __init__(
@@ -46,6 +51,9 @@ class SlurmJobTrigger(BaseTrigger):
         reconnect_budget_s: float = 300.0,
         progress_path: str = "",
         progress_every_s: float = 30.0,
+        heartbeat_dir: str = "",
+        stall_timeout_s: float = 0.0,
+        world_size: int = 1,
     ):
         super().__init__()
         self.job_id = job_id
@@ -57,6 +65,9 @@ class SlurmJobTrigger(BaseTrigger):
         self.reconnect_budget_s = reconnect_budget_s
         self.progress_path = progress_path
         self.progress_every_s = progress_every_s
+        self.heartbeat_dir = heartbeat_dir
+        self.stall_timeout_s = stall_timeout_s
+        self.world_size = world_size
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -71,6 +82,9 @@ class SlurmJobTrigger(BaseTrigger):
                 "reconnect_budget_s": self.reconnect_budget_s,
                 "progress_path": self.progress_path,
                 "progress_every_s": self.progress_every_s,
+                "heartbeat_dir": self.heartbeat_dir,
+                "stall_timeout_s": self.stall_timeout_s,
+                "world_size": self.world_size,
             },
         )
 
@@ -88,6 +102,7 @@ class SlurmJobTrigger(BaseTrigger):
         lost_since: float | None = None
         reconnect_delay = 1.0
         last_progress = 0.0
+        last_stall_check = time.monotonic()
         while True:
             try:
                 status = await hook.status(self.job_id)
@@ -131,11 +146,34 @@ class SlurmJobTrigger(BaseTrigger):
                         f"job {self.job_id} restarted {status.restarts} times, over max_requeues={self.max_requeues}; "
                         "cancelled it"))
                     return event
+                if self._stall_watch_due(status, last_stall_check):
+                    last_stall_check = time.monotonic()
+                    stall = await self._find_stall(hook, status)
+                    if stall is not None:
+                        return {**status.to_event(), "status": "stalled", "stall": stall.to_event()}
                 if self.progress_path and time.monotonic() - last_progress >= self.progress_every_s:
                     last_progress = time.monotonic()
                     await self._log_progress(hook)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.poll_interval_s)
+
+    def _stall_watch_due(self, status, last_check: float) -> bool:
+        return bool(self.heartbeat_dir and self.stall_timeout_s > 0 and status.state == "RUNNING"
+                    and time.monotonic() - last_check >= min(self.stall_timeout_s / 4, 30.0))
+
+    async def _find_stall(self, hook: SlurmAsyncHook, status):
+        from hybridflow.utils.stalls import find_stall, parse_heartbeats, read_heartbeats_argv
+
+        try:
+            result = await hook.run(read_heartbeats_argv(self.heartbeat_dir))
+        except SlurmConnectionLost:
+            return None  # the next status poll reconnects within the budget, or fails clearly
+        now, beats = parse_heartbeats(result.stdout)
+        if now is None:
+            return None
+        return find_stall(beats, now=now, job_id=self.job_id, restarts=status.restarts,
+                          running_s=status.elapsed_s or 0.0, world_size=self.world_size,
+                          timeout_s=self.stall_timeout_s)
 
     async def _log_progress(self, hook: SlurmAsyncHook) -> None:
         try:

@@ -1,0 +1,99 @@
+"""Training that heals itself, on the real two-node Slurm through Airflow's task lifecycle (dag.test: the trigger
+runs inline): a stopped rank is found by the stall watch, its stack reaches the job's log and on-call, and the
+same job resumes from its checkpoint and completes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+import uuid
+
+import pytest
+from helpers.processes import rank_pids
+from helpers.waiting import joined, run_in_thread, wait_until
+from hybridflow.hooks.slurm import SlurmHook
+from hybridflow.notifiers.oncall import default_alerts_file
+from hybridflow.utils.failures import parse_recovery_log, recovery_log_path
+
+pytestmark = pytest.mark.slow
+
+STALL_TIMEOUT_S = 20
+# The issue's bound: a stall is seen within stall_timeout_s + 30 s of the rank stopping.
+DETECTION_SLACK_S = 30
+
+TRAINING_DAG = textwrap.dedent('''
+    from datetime import datetime
+    from airflow.sdk import DAG
+    from hybridflow.operators.training import DeepSpeedTrainingOperator
+
+    with DAG({dag_id!r}, schedule=None, start_date=datetime(2026, 1, 1), catchup=False) as dag:
+        DeepSpeedTrainingOperator(
+            task_id="train", run_config={run_config!r}, run_dir={run_dir!r}, python={python!r},
+            jobs_dir={jobs_dir!r}, partition="gpu-training", nodes=2, gpus_per_node=1, cpus_per_task=1,
+            time_limit=10, poll_interval_s=2, stall_timeout_s={stall_timeout_s}, max_stall_restarts=1,
+            mlflow_conn_id=None, retries=0,
+        )
+''')
+
+
+def alerts_of(dag_id: str) -> list[dict]:
+    path = default_alerts_file()
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [alert for alert in map(json.loads, lines) if alert["dag_id"] == dag_id]
+
+
+def test_a_stopped_rank_is_found_its_stack_reported_and_the_same_job_resumes_and_completes(
+        run_dag, stack, training_area, make_run_config):
+    """SIGSTOP rank 1 (on gpu-node-02) after the first checkpoint: within stall_timeout_s + 30 s the task names
+    rank 1, its node and its Python frames in the job's log and an on-call alert; the job is requeued (one job
+    id, restart 1), resumes from its checkpoint and completes; the task succeeds."""
+    features, run_dir = training_area
+    dag_id = f"heal_stall_{uuid.uuid4().hex[:6]}"
+    config = make_run_config(features, max_steps=400, checkpoint_every_steps=20, heartbeat_every_s=1,
+                             collective_timeout_s=600)
+    source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
+                                 python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
+                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"],
+                                 stall_timeout_s=STALL_TIMEOUT_S)
+    hook = SlurmHook()
+    thread, box = run_in_thread(run_dag, source, dag_id, timeout_s=600)
+    stopped_pid = None
+    try:
+        progress = wait_until("a first checkpoint", lambda: (p := json.loads(hook.read_text(
+            f"{run_dir}/progress.json") or "{}")).get("last_checkpoint_step") and p, timeout_s=240)
+        job_id = str(progress["slurm_job_id"])
+        pids = rank_pids(job_id)
+        assert sorted(pids) == [0, 1], pids
+        stopped_pid = pids[1]
+        os.kill(stopped_pid, signal.SIGSTOP)
+        stopped_at = time.time()
+
+        result = joined(thread, box, 540)
+        assert result["state"] == "success", result["log"][-5000:]
+        event = result["tasks"]["train"]["xcom"]["return_value"]
+        assert event["job_id"] == job_id and event["restarts"] == 1, event  # one job chain, requeued once
+        [stall] = [r for r in event["recovery"] if r["kind"] == "stall"]
+        assert [(r["rank"], r["node"]) for r in stall["stall"]["ranks"]] == [(1, "gpu-node-02")], stall
+        metrics = json.loads(hook.read_text(f"{run_dir}/metrics.json"))
+        assert metrics["resumed_from_step"] >= progress["last_checkpoint_step"] and metrics["restarts"] == 1
+        assert metrics["step"] == 400
+
+        [alert] = [a for a in alerts_of(dag_id) if a["kind"] == "stall"]
+        assert "rank 1@gpu-node-02" in alert["error"] and alert["job_id"] == job_id, alert
+        assert "Python stack of rank 1@gpu-node-02" in alert["log_tail"] and "(runner.py" in alert["log_tail"]
+        job_log = hook.read_text(f"{run_dir}/logs/{event['name']}-{job_id}.err") or ""
+        assert "STALL of Slurm job" in job_log and "(runner.py" in job_log
+        records = parse_recovery_log(hook.read_text(recovery_log_path(f"{run_dir}/logs", event["name"])))
+        assert [r["kind"] for r in records] == ["stall"]
+        detected_s = records[0]["detected_at"] - stopped_at
+        assert detected_s <= STALL_TIMEOUT_S + DETECTION_SLACK_S, detected_s
+    finally:
+        if stopped_pid:
+            try:
+                os.kill(stopped_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        hook.close()
