@@ -83,9 +83,10 @@ def test_a_stopped_rank_is_found_its_stack_reported_and_the_same_job_resumes_and
 
         [alert] = [a for a in alerts_of(dag_id) if a["kind"] == "stall"]
         assert "rank 1@gpu-node-02" in alert["error"] and alert["job_id"] == job_id, alert
-        assert "Python stack of rank 1@gpu-node-02" in alert["log_tail"] and "(runner.py" in alert["log_tail"]
+        assert "Python stack of rank 1@gpu-node-02" in alert["log_tail"]
+        assert "(hybridtrain/runner.py:" in alert["log_tail"]  # the job's own line, beside the collective it sits in
         job_log = hook.read_text(f"{run_dir}/logs/{event['name']}-{job_id}.err") or ""
-        assert "STALL of Slurm job" in job_log and "(runner.py" in job_log
+        assert "STALL of Slurm job" in job_log and "(hybridtrain/runner.py:" in job_log
         records = parse_recovery_log(hook.read_text(recovery_log_path(f"{run_dir}/logs", event["name"])))
         assert [r["kind"] for r in records] == ["stall"]
         detected_s = records[0]["detected_at"] - stopped_at

@@ -53,6 +53,18 @@ def mutate(path: str, value):
 @pytest.mark.parametrize(
     "path, value, message",
     [
+        ("recovery.stall_timeout_s", 5, "pipeline.recovery.stall_timeout_s: 5.0; expected a number >= 10"),
+        ("recovery.max_stall_restarts", -1, "pipeline.recovery.max_stall_restarts: -1; expected an integer >= 0"),
+        ("recovery.failure_classes.cancelled.action", "ignore",
+         "pipeline.recovery.failure_classes.cancelled.action: 'ignore'; expected one of requeue, retry, fail"),
+        ("recovery.failure_classes.cancelled.runbook", "training", "failure_classes.cancelled.runbook: 'training'"),
+        ("recovery.failure_classes.cancelled.runbook", "nowhere.md#x", "'nowhere.md#x'; no such file under"),
+        ("recovery.failure_classes.cancelled.states", ["cancelled"], "cancelled.states[0]: 'cancelled'; expected"),
+        ("recovery.failure_classes.cancelled.states", KeyError, "failure_classes.cancelled: matches nothing"),
+        ("recovery.failure_classes.data_or_config_error.exit_codes", [True], "exit_codes[0]: True; expected an int"),
+        ("recovery.failure_classes.data_or_config_error.exit_codes", "2", "exit_codes: expected a list, got str"),
+        ("recovery.failure_classes.cuda_out_of_memory.log_pattern", "CUDA (out", "is not a regular expression"),
+        ("recovery.failure_classes.cancelled.when", "x", "failure_classes.cancelled: unknown key(s) when"),
         ("cluster.max_requeues", "three", "pipeline.cluster.max_requeues: expected int, got str 'three'"),
         ("cluster.max_requeues", True, "pipeline.cluster.max_requeues: expected int, got bool"),
         ("cluster.partition", KeyError, "pipeline.cluster.partition: missing (expected str)"),

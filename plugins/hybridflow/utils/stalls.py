@@ -10,12 +10,15 @@ silent too (the process stopped: a SIGSTOP, a frozen node) or that never reporte
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 HEARTBEAT_DIR = "heartbeats"  # jobs/hybridtrain/heartbeat.py HEARTBEAT_DIR
 STACK_FRAMES = 12  # frames of each stopped rank's stack kept in the report and the alert
-JOB_CODE = ("hybridtrain/", "train.py")  # py-spy's short paths of the job's own code
+_FRAME_RE = re.compile(r"\s+(?P<func>.+) \((?P<path>/.+):(?P<line>\d+)\)$")
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/")
+_STDLIB_RE = re.compile(r"/usr(/local)?/lib(64)?/python3[.0-9]*/")
 
 # One command, no user text in the script: the login node's clock (epoch seconds), then every heartbeat file.
 _READ_SCRIPT = 'date +%s.%N; for f in "$1"/rank*.json; do [ -f "$f" ] && cat -- "$f" && echo; done; exit 0'
@@ -146,15 +149,33 @@ def find_stall(beats: Iterable[RankBeat], *, now: float, job_id: str, restarts: 
 
 def py_spy_argv(py_spy: str, job_id: str, rank: StoppedRank) -> list[str]:
     """Dump a rank's Python stacks on its node, as a step beside the job's (``--overlap``, no GRES), without
-    stopping it (``--nonblocking``: works on a stopped process, where ptrace's own stop would fail)."""
+    stopping it (``--nonblocking``: works on a stopped process, where ptrace's own stop would fail). Full file
+    names: py-spy's short ones drop the directory of a module outside a package (``runner.py``)."""
     return ["timeout", "60", "srun", "--overlap", f"--jobid={job_id}", f"--nodelist={rank.node}", "--nodes=1",
-            "--ntasks=1", "--gres=none", "--", py_spy, "dump", "--pid", str(rank.pid), "--nonblocking"]
+            "--ntasks=1", "--gres=none", "--", py_spy, "dump", "--pid", str(rank.pid), "--nonblocking",
+            "--full-filenames"]
 
 
-def top_frames(dump: str, frames: int = STACK_FRAMES, own_code: tuple[str, ...] = JOB_CODE) -> str:
+def _frame(line: str) -> tuple[str, bool]:
+    """A ``py-spy dump --full-filenames`` frame line, shortened (libraries from their package, the job's own code
+    to its last two path parts), and whether it is the job's own code (not the standard library, not a package)."""
+    match = _FRAME_RE.match(line)
+    if match is None:
+        return line, False
+    path = match.group("path")
+    for marker in _LIBRARY_MARKERS:
+        if marker in path:
+            return f"    {match.group('func')} ({path.split(marker, 1)[1]}:{match.group('line')})", False
+    if _STDLIB_RE.match(path):
+        return f"    {match.group('func')} ({path.rsplit('/', 1)[-1]}:{match.group('line')})", False
+    short = "/".join(path.split("/")[-2:])
+    return f"    {match.group('func')} ({short}:{match.group('line')})", True
+
+
+def top_frames(dump: str, frames: int = STACK_FRAMES) -> str:
     """The first thread of a ``py-spy dump`` (the main thread comes first, innermost frame first): its innermost
-    ``frames // 2`` frames, then the innermost frames of the job's own code (``own_code`` path prefixes), so the
-    reader sees both where the process sits (a collective, a read) and which line of the job got it there."""
+    ``frames // 2`` frames, then the innermost frames of the job's own code, so the reader sees both where the
+    process sits (a collective, a read) and which line of the job got it there."""
     lines = dump.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("Thread ")), None)
     if start is None:
@@ -163,10 +184,9 @@ def top_frames(dump: str, frames: int = STACK_FRAMES, own_code: tuple[str, ...] 
     for line in lines[start + 1:]:
         if not line.startswith(" "):
             break
-        stack.append(line)
-    inner = stack[: frames // 2]
-    own = [line for line in stack[frames // 2:] if any(f"({prefix}" in line for prefix in own_code)]
-    tail = own[: frames - len(inner)]
+        stack.append(_frame(line))
+    inner = [text for text, _ in stack[: frames // 2]]
+    tail = [text for text, own in stack[frames // 2:] if own][: frames - len(inner)]
     skipped = len(stack) - len(inner) - len(tail)
     middle = [f"    ... {skipped} more frame(s) ..."] if skipped else []
     return "\n".join([lines[start], *inner, *middle, *tail])
