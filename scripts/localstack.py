@@ -109,6 +109,11 @@ class Paths:
         return self.cluster / "cluster-venv"
 
     @property
+    def node_scratch(self) -> Path:
+        """Each Slurm node's local scratch (``<this>/<node>``), which the node self-check probes."""
+        return self.cluster / "scratch"
+
+    @property
     def cluster_code(self) -> Path:
         return self.cluster / "code"
 
@@ -675,8 +680,10 @@ def configure_slurm() -> tuple[str, bool]:
     for sub in ("", "ctld", "d", "run", "log"):
         ensure_dir(P.slurm / sub, owner="slurm")
     ensure_dir(P.gres)
+    ensure_dir(P.node_scratch)
     for node in SLURM_NODES:
         ensure_dir(P.slurm / "d" / node, owner="slurm")
+        ensure_dir(P.node_scratch / node, owner=JOB_USER, mode=0o700)
         # GPUs declared as GRES need device files; /dev/null's numbers make harmless ones (shared/notes).
         ensure_dir(gres_dir(node))
         for i in range(STACK["slurm_gpus"]):
@@ -1219,6 +1226,8 @@ def airflow_env() -> dict[str, str]:
         # 55-58% while the test suite loads the cores (measured 2026-12-04, 2 nodes x 1 rank): latency, not a network
         # fault, so the local limit leaves room for it.
         "HYBRIDFLOW_MAX_ALLREDUCE_SHARE": "0.75",
+        # node-local scratch of each Slurm node (the same disk here), probed by the node self-check
+        "HYBRIDFLOW_NODE_SCRATCH_DIR": f"{P.node_scratch}/%n",
         # MLflow's client reads these: the tracking server, and Airflow's own MLflow account (not the admin).
         "MLFLOW_TRACKING_URI": mlflow_url(),
         "MLFLOW_TRACKING_USERNAME": MLFLOW_CLIENT_USER,

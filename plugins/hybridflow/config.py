@@ -334,8 +334,15 @@ class RecoveryConfig:
     max_stall_restarts: int = 2
     failure_classes: Mapping[str, FailureClass] = field(default_factory=dict)
     log_lines: int = 200  # the job log's last lines searched for a class's log_pattern
+    # the node self-check before training ranks start (jobs/node_check.py)
+    node_check: bool = True
+    node_min_free_gib: float = 1.0
+    node_scratch_dir: str = ""  # node-local scratch to check ("%n": the node's name); "" checks none
 
     def validate(self, where: str) -> None:
+        check_number(self.node_min_free_gib, f"{where}.node_min_free_gib", 0)
+        if self.node_scratch_dir and not self.node_scratch_dir.startswith("/"):
+            raise ConfigError(f"{where}.node_scratch_dir: {self.node_scratch_dir!r}; expected an absolute path or ''")
         check_number(self.stall_timeout_s, f"{where}.stall_timeout_s", 10)
         check_integer(self.max_stall_restarts, f"{where}.max_stall_restarts", 0)
         check_integer(self.log_lines, f"{where}.log_lines", 1)

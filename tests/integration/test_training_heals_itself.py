@@ -1,6 +1,7 @@
 """Training that heals itself, on the real two-node Slurm through Airflow's task lifecycle (dag.test: the trigger
 runs inline): a stopped rank is found by the stall watch, its stack reaches the job's log and on-call, and the
-same job resumes from its checkpoint and completes."""
+same job resumes from its checkpoint and completes; a node that fails its self-check is left out and training
+completes on the other node."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from helpers.processes import rank_pids
@@ -32,7 +34,7 @@ TRAINING_DAG = textwrap.dedent('''
     with DAG({dag_id!r}, schedule=None, start_date=datetime(2026, 1, 1), catchup=False) as dag:
         DeepSpeedTrainingOperator(
             task_id="train", run_config={run_config!r}, run_dir={run_dir!r}, python={python!r},
-            jobs_dir={jobs_dir!r}, partition="gpu-training", nodes=2, gpus_per_node=1, cpus_per_task=1,
+            jobs_dir={jobs_dir!r}, partition="gpu-training", nodes={nodes}, gpus_per_node=1, cpus_per_task=1,
             time_limit=10, poll_interval_s=2, stall_timeout_s={stall_timeout_s}, max_stall_restarts=1,
             mlflow_conn_id=None, retries=0,
         )
@@ -57,7 +59,7 @@ def test_a_stopped_rank_is_found_its_stack_reported_and_the_same_job_resumes_and
     source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
                                  python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
                                  jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"],
-                                 stall_timeout_s=STALL_TIMEOUT_S)
+                                 stall_timeout_s=STALL_TIMEOUT_S, nodes=2)
     hook = SlurmHook()
     thread, box = run_in_thread(run_dag, source, dag_id, timeout_s=600)
     stopped_pid = None
@@ -97,4 +99,41 @@ def test_a_stopped_rank_is_found_its_stack_reported_and_the_same_job_resumes_and
                 os.kill(stopped_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        hook.close()
+
+
+def test_a_node_that_fails_its_self_check_is_left_out_and_training_completes_on_the_other(
+        run_dag, stack, training_area, make_run_config):
+    """gpu-node-01's node-local scratch made unwritable: the first job (Slurm places a one-node job on gpu-node-01,
+    the first idle node) ends with exit 79 before any rank starts; the task submits once more with
+    --exclude=gpu-node-01, alerts on-call naming the node and the check, and training completes on gpu-node-02."""
+    features, run_dir = training_area
+    dag_id = f"heal_node_{uuid.uuid4().hex[:6]}"
+    config = make_run_config(features, max_steps=40, checkpoint_every_steps=20)
+    source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
+                                 python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
+                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall_timeout_s=STALL_TIMEOUT_S,
+                                 nodes=1)
+    scratch = Path(stack["HYBRIDFLOW_NODE_SCRATCH_DIR"].replace("%n", "gpu-node-01"))
+    mode = scratch.stat().st_mode
+    scratch.chmod(0o000)  # the job user can no longer write there: that node's self-check fails
+    hook = SlurmHook()
+    try:
+        result = run_dag(source, dag_id, timeout_s=400)
+        assert result["state"] == "success", result["log"][-5000:]
+        event = result["tasks"]["train"]["xcom"]["return_value"]
+        [excluded] = event["recovery"]
+        assert (excluded["kind"], excluded["node"], excluded["check"]) == ("exclude_node", "gpu-node-01", "scratch")
+        jobs = {status.job_id: status for status in hook.find_by_name(event["name"])}
+        first = jobs[excluded["job_id"]]
+        assert (first.state, first.exit_code) == ("FAILED", 79) and len(jobs) == 2, jobs
+        metrics = json.loads(hook.read_text(f"{run_dir}/metrics.json"))
+        assert [(r["rank"], r["node"]) for r in metrics["deepspeed"]["ranks"]] == [(0, "gpu-node-02")]
+        assert metrics["step"] == 40 and metrics["resumed_from_step"] in (None, 0)
+
+        [alert] = [a for a in alerts_of(dag_id) if a["kind"] == "unhealthy_node"]
+        assert "node gpu-node-01 failed its self-check (scratch:" in alert["error"], alert
+        assert "NODE CHECK FAILED on gpu-node-01: scratch:" in alert["log_tail"]
+    finally:
+        scratch.chmod(mode)
         hook.close()

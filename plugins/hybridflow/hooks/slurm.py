@@ -197,12 +197,13 @@ class SlurmHook(BaseHook):
             status = self.status(job_id)
         return status
 
-    def capacity(self, partition: str, gpus_per_node: int, nodes: int = 1) -> CapacityVerdict:
-        """Whether the partition could start a job of this shape now, and why not."""
+    def capacity(self, partition: str, gpus_per_node: int, nodes: int = 1,
+                 exclude: Sequence[str] = ()) -> CapacityVerdict:
+        """Whether the partition could start a job of this shape now (without the ``exclude`` nodes), and why not."""
         sinfo = self.run(capacity_sinfo_argv(partition))
         pending = self.run(capacity_squeue_argv(partition))
         return capacity_verdict(partition, parse_sinfo_gpus(sinfo.stdout), parse_squeue(pending.stdout),
-                                gpus_per_node, nodes)
+                                gpus_per_node, nodes, exclude)
 
     def tail(self, path: str, lines: int = 50) -> str:
         if not path:

@@ -165,7 +165,11 @@ class SlurmSubmitOperator(BaseOperator):
     def job_name(self, context: Context) -> str:
         return self.job_key(context).job_name
 
-    def build_spec(self, name: str, comment: str | None = None):
+    def node_self_check(self) -> tuple[str, ...]:
+        """argv of the check each node runs before the command (none here; training has one)."""
+        return ()
+
+    def build_spec(self, name: str, comment: str | None = None, exclude: Sequence[str] = ()):
         from hybridflow.utils.slurm import SlurmJobSpec
 
         time_limit = int(self.time_limit) if str(self.time_limit).isdigit() else self.time_limit
@@ -180,9 +184,11 @@ class SlurmSubmitOperator(BaseOperator):
             mem=self.mem, time_limit=time_limit, account=self.account, qos=self.qos, constraint=self.constraint,
             signal=self.signal, requeue=self.requeue, output=f"{self.log_dir}/%x-%j.out",
             error=f"{self.log_dir}/%x-%j.err", comment=comment, setup_lines=self.setup_lines, env=env,
+            node_check=self.node_self_check(), exclude=tuple(exclude),
         )
 
     def execute(self, context: Context) -> dict:
+        from hybridflow.utils.failures import excluded_nodes
         from hybridflow.utils.slurm import render_sbatch_script
         from hybridflow.utils.slurm_jobs import job_to_reattach
 
@@ -191,6 +197,8 @@ class SlurmSubmitOperator(BaseOperator):
         name = key.job_name
         spec = self.build_spec(name, key.comment())  # validates every field before anything touches the cluster
         existing = job_to_reattach(self.hook.find_by_name(name), self.requeue)
+        if existing is None and (exclude := excluded_nodes(self._recovery_records())):
+            spec = self.build_spec(name, key.comment(), exclude)  # a node this task excluded before stays out
         if existing is not None:
             self.log.info("Reattaching to Slurm job %s (%s, %s) instead of submitting again", existing.job_id,
                           name, existing.state)
@@ -265,7 +273,7 @@ class SlurmSubmitOperator(BaseOperator):
             tail = self.hook.tail(status.stdout_path, self.log_tail_lines)
             self.log.info("Slurm job %s COMPLETED in %.0f s (TRES %s); last lines of %s:\n%s", status.job_id,
                           status.elapsed_s or 0, dict(status.alloc_tres), status.stdout_path or "its log", tail)
-            return {**status.to_event(), "recovery": self._recovery_records(status.job_id)}
+            return {**status.to_event(), "recovery": self._recovery_records()}
         from airflow.sdk.exceptions import AirflowFailException
 
         from hybridflow.utils.failures import classify
@@ -285,6 +293,11 @@ class SlurmSubmitOperator(BaseOperator):
                                  ended, status.restarts + 1, self.max_requeues)
                 return self._follow()
             ended += f" Not requeued: {why_not}."
+        if verdict.action == "exclude_node":
+            why_not = self._resubmit_without_node(status, log_text, ended)
+            if why_not is None:
+                return self._follow()
+            ended += f" Not resubmitted: {why_not}."
         tail = "\n".join(log_text.splitlines()[-self.log_tail_lines:]) or "(no log found)"
         text = (f"{ended} {message}\nLast lines of {err_path or 'its log'}:\n{tail}\n"
                 f"Runbook: include/runbooks/{verdict.runbook}")
@@ -316,14 +329,13 @@ class SlurmSubmitOperator(BaseOperator):
 
         return recovery_log_path(self.log_dir, self.job_name(self._context))
 
-    def _recovery_records(self, job_id: str | None = None) -> list[dict]:
-        """What was done to heal this task's jobs (every job of its name, or only ``job_id``'s)."""
+    def _recovery_records(self) -> list[dict]:
+        """What was done to heal this task's jobs (every job of its name), from the recovery log."""
         from hybridflow.utils.failures import parse_recovery_log
 
-        if getattr(self, "_context", None) is None:
+        if self._context is None:
             return []
-        records = parse_recovery_log(self.hook.read_text(self._recovery_log()))
-        return [r for r in records if job_id is None or str(r.get("job_id")) == job_id]
+        return parse_recovery_log(self.hook.read_text(self._recovery_log()))
 
     def _append(self, path: str, text: str) -> None:
         """Append ``text`` to a file on the cluster (the path is an argument, the text goes on stdin)."""
@@ -345,6 +357,40 @@ class SlurmSubmitOperator(BaseOperator):
         self._append(self._recovery_log(), recovery_line({
             **record, "job_id": status.job_id, "restart": status.restarts + 1, "state": status.state,
             "at": datetime.now(UTC).isoformat(timespec="seconds")}))
+
+    def _resubmit_without_node(self, status: SlurmJobStatus, log_text: str, ended: str) -> str | None:
+        """A node failed its self-check: submit once more without it (the alert names the node and the check).
+        Returns None when resubmitted (``self.job_id`` is the new job), else why not."""
+        from datetime import UTC, datetime
+
+        from hybridflow.notifiers.oncall import UNHEALTHY_NODE
+        from hybridflow.utils.failures import excluded_nodes, recovery_line, unhealthy_node
+        from hybridflow.utils.slurm import render_sbatch_script
+
+        found = unhealthy_node(log_text, status.exit_code)
+        if found is None:
+            return "the job's log names no node"
+        records = self._recovery_records()
+        if excluded_nodes(records):
+            return f"this task excluded {', '.join(excluded_nodes(records))} already (one resubmission)"
+        node, check, detail = found
+        key = self.job_key(self._context)
+        spec = self.build_spec(key.job_name, key.comment(), exclude=[node])
+        if spec.gpus_per_node or spec.nodes > 1:
+            verdict = self.hook.capacity(spec.partition, spec.gpus_per_node, spec.nodes, exclude=[node])
+            if verdict.impossible:
+                return f"without {node}: {verdict.reason}"
+        self._append(self._recovery_log(), recovery_line({
+            "kind": "exclude_node", "node": node, "check": check, "detail": detail, "job_id": status.job_id,
+            "at": datetime.now(UTC).isoformat(timespec="seconds")}))
+        self.job_id = self.hook.submit(render_sbatch_script(spec))
+        self._context["ti"].xcom_push(key=XCOM_JOB_ID, value=self.job_id)
+        what = (f"node {node} failed its self-check ({check}: {detail}); Slurm job {status.job_id} ended, "
+                f"job {self.job_id} submitted without {node}")
+        self.log.warning("%s %s", ended, what)
+        self._alert(UNHEALTHY_NODE, what, "\n".join(line for line in log_text.splitlines() if "node check" in
+                                                   line.lower() or "srun: error" in line) or log_text[-2000:])
+        return None
 
     def _heal_stall(self, status: SlurmJobStatus, stall) -> dict:
         """A stalled job: the stopped ranks' stacks into the job's log and the alert; requeue, or cancel and fail

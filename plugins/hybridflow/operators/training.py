@@ -117,6 +117,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         super().__init__(command=[python, f"{jobs_dir}/train.py", "--config", f"{run_dir}/config.json"], **kwargs)
         self.run_config = run_config if isinstance(run_config, str) else dict(run_config)
         self.run_dir = run_dir
+        self.python, self.jobs_dir = python, jobs_dir
         self.min_gpu_utilization_pct = min_gpu_utilization_pct
         self.fail_on_low_utilization = fail_on_low_utilization
         self.mlflow_conn_id = mlflow_conn_id
@@ -144,6 +145,18 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
             self.progress_path = f"{run_dir}/progress.json"
         if "heartbeat_dir" in self._paths_from_run_dir:
             self.heartbeat_dir = f"{run_dir}/heartbeats"
+
+    def node_self_check(self) -> tuple[str, ...]:
+        """Each node checks itself before the ranks start (pipeline.yaml ``recovery.node_check``)."""
+        from hybridflow.config import pipeline_config
+
+        recovery = pipeline_config().recovery
+        if not recovery.node_check:
+            return ()
+        argv = [self.python, f"{self.jobs_dir}/node_check.py", "--checkpoint-dir", self.run_dir,
+                "--gpus", str(_whole(self.gpus_per_node, "gpus_per_node")),
+                "--min-free-gib", f"{recovery.node_min_free_gib:g}"]
+        return (*argv, "--scratch-dir", recovery.node_scratch_dir) if recovery.node_scratch_dir else tuple(argv)
 
     def execute(self, context: Context) -> dict:
         self._apply_generation()  # again for callers that run execute() without rendering first

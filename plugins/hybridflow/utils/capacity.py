@@ -50,8 +50,10 @@ def unsatisfiable_request(partition: str, nodes: Sequence[SinfoNode], gpus_per_n
 
 
 def capacity_verdict(partition: str, nodes: Sequence[SinfoNode], pending: Sequence[SqueueRecord],
-                     gpus_per_node: int, nodes_needed: int = 1) -> CapacityVerdict:
-    """Enough nodes that are up and each have ``gpus_per_node`` free GPUs; otherwise say why not."""
+                     gpus_per_node: int, nodes_needed: int = 1, exclude: Sequence[str] = ()) -> CapacityVerdict:
+    """Enough nodes that are up and each have ``gpus_per_node`` free GPUs; otherwise say why not. Nodes in
+    ``exclude`` (one that failed its self-check) do not count."""
+    nodes = [n for n in nodes if n.name not in exclude]
     total = sum(n.gpus_total for n in nodes)
     free = sum(n.gpus_free for n in nodes)
     fitting = [n for n in nodes if n.available and n.gpus_free >= gpus_per_node]

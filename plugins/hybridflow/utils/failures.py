@@ -75,3 +75,19 @@ def excluded_nodes(records: Iterable[Mapping]) -> list[str]:
         if record.get("kind") == "exclude_node" and record.get("node") and record["node"] not in nodes:
             nodes.append(str(record["node"]))
     return nodes
+
+
+_NODE_CHECK_RE = re.compile(r"NODE CHECK FAILED on (?P<node>[A-Za-z0-9._-]+): (?P<check>[^:\n]+): (?P<detail>[^\n]*)")
+_SRUN_EXIT_RE = re.compile(r"srun: error: (?P<node>[A-Za-z0-9._-]+): task \d+: Exited with exit code (?P<code>\d+)")
+
+
+def unhealthy_node(log_text: str, exit_code: int | None) -> tuple[str, str, str] | None:
+    """``(node, check, what is wrong)`` of the first node that failed its self-check (jobs/node_check.py's line),
+    else the node srun names for the check's exit code; None when the log names no node."""
+    match = _NODE_CHECK_RE.search(log_text)
+    if match:
+        return match.group("node"), match.group("check").strip(), match.group("detail").strip()
+    for match in _SRUN_EXIT_RE.finditer(log_text):
+        if exit_code is not None and int(match.group("code")) == exit_code:
+            return match.group("node"), "unknown", f"its self-check exited {exit_code}"
+    return None

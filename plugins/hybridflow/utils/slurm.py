@@ -49,6 +49,7 @@ __all__ = [
     "parse_sinfo_gpus",
     "parse_squeue",
     "render_sbatch_script",
+    "node_check_argv",
     "srun_argv",
     "scontrol_exit_code",
     "scontrol_job_state",
@@ -223,6 +224,9 @@ class SlurmJobSpec:
         configuration read from ``include/`` (module loads, venv activation), never user input; each element
         is one line. They run under ``set -euo pipefail``.
     :param env: variables exported before the setup lines; names must be shell identifiers, values are quoted.
+    :param node_check: argv of a self-check run once on every node before the command (one ``srun`` task per
+        node holding the node's GPUs); a node that fails it ends the job with the check's exit code.
+    :param exclude: nodes the job must not run on (``--exclude``), e.g. one that failed its self-check.
     """
 
     job_name: str
@@ -246,6 +250,8 @@ class SlurmJobSpec:
     comment: str | None = None
     setup_lines: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    node_check: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self._validate_names()
@@ -270,6 +276,11 @@ class SlurmJobSpec:
         _check_slurm_name("account", self.account, optional=True)
         _check_slurm_name("qos", self.qos, optional=True)
         _check_slurm_name("gpu_type", self.gpu_type, optional=True)
+        if isinstance(self.exclude, str):
+            raise _fail("exclude", self.exclude, "pass a list of node names")
+        for node in self.exclude:
+            _check_slurm_name("exclude", node, optional=False)
+        object.__setattr__(self, "exclude", tuple(self.exclude))
         if self.constraint is not None and (
             not isinstance(self.constraint, str) or not _CONSTRAINT_RE.fullmatch(self.constraint)
         ):
@@ -301,6 +312,10 @@ class SlurmJobSpec:
             if not isinstance(element, str) or "\x00" in element:
                 raise _fail("command", self.command, "every argv element must be a string without NUL bytes")
         object.__setattr__(self, "command", tuple(self.command))
+        if isinstance(self.node_check, str) or not all(
+                isinstance(element, str) and "\x00" not in element for element in self.node_check):
+            raise _fail("node_check", self.node_check, "pass the argv as a list of strings without NUL bytes")
+        object.__setattr__(self, "node_check", tuple(self.node_check))
 
         if isinstance(self.setup_lines, str):
             raise _fail("setup_lines", self.setup_lines, "pass a tuple of lines, not one string")
@@ -354,6 +369,7 @@ def _sbatch_directives(spec: SlurmJobSpec) -> list[str]:
         ("mem", spec.mem),
         ("gres", gres),
         ("constraint", spec.constraint),
+        ("exclude", ",".join(spec.exclude) or None),
         ("time", None if spec.time_limit is None else str(spec.time_limit)),
         ("signal", None if spec.signal is None else f"{'' if spec.ranks_per_node else 'B:'}{spec.signal}"),
     ]
@@ -383,6 +399,15 @@ def srun_argv(spec: SlurmJobSpec) -> list[str]:
     return [*argv, "--", *spec.command]
 
 
+def node_check_argv(spec: SlurmJobSpec) -> list[str]:
+    """The ``srun`` line of the node self-check: one task per node, holding that node's GPUs so it can count them;
+    under ``set -e`` a failing node ends the job with the check's own exit code (srun returns the highest)."""
+    argv = ["srun", f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}", "--ntasks-per-node=1"]
+    if spec.gpus_per_node:
+        argv.append(f"--gres=gpu:{spec.gpus_per_node}")
+    return [*argv, "--", *spec.node_check]
+
+
 def render_sbatch_script(spec: SlurmJobSpec) -> str:
     """The complete batch script for ``spec``, to be passed to ``sbatch --parsable`` on stdin.
 
@@ -400,6 +425,8 @@ def render_sbatch_script(spec: SlurmJobSpec) -> str:
     lines = ["#!/bin/bash", *_sbatch_directives(spec), "set -euo pipefail", "umask 0002"]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in spec.env.items()]
     lines += spec.setup_lines
+    if spec.node_check:
+        lines.append(shlex.join(node_check_argv(spec)))
     lines.append(f"exec {shlex.join(srun_argv(spec) if spec.ranks_per_node else spec.command)}")
     return "\n".join(lines) + "\n"
 

@@ -11,6 +11,7 @@ from hybridflow.utils.failures import (
     parse_recovery_log,
     recovery_line,
     recovery_log_path,
+    unhealthy_node,
 )
 
 CLASSES = load_pipeline_config().recovery.failure_classes
@@ -62,3 +63,15 @@ def test_recovery_log_round_trips_and_skips_torn_lines():
     assert parse_recovery_log(None) == []
     assert excluded_nodes(records) == ["gpu-node-01", "gpu-node-02"]
     assert recovery_log_path("/runs/r/logs/", "hf-x") == "/runs/r/logs/hf-x.recovery.jsonl"
+
+
+@pytest.mark.parametrize("log_text, exit_code, found", [
+    ("x\nNODE CHECK FAILED on gpu-node-01: scratch: /s/gpu-node-01: Permission denied\nsrun: error: gpu-node-01: "
+     "task 0: Exited with exit code 79\n", 79, ("gpu-node-01", "scratch", "/s/gpu-node-01: Permission denied")),
+    ("srun: error: gpu-node-02: task 1: Exited with exit code 79\n", 79,
+     ("gpu-node-02", "unknown", "its self-check exited 79")),
+    ("srun: error: gpu-node-02: task 1: Exited with exit code 1\n", 79, None),
+    ("Traceback ...", 79, None),
+])
+def test_the_unhealthy_node_is_read_from_the_check_line_else_from_srun(log_text, exit_code, found):
+    assert unhealthy_node(log_text, exit_code) == found

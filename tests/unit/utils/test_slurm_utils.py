@@ -893,3 +893,30 @@ def test_parse_gres_rejects(text):
 
 def test_gpu_count_ignores_other_gres():
     assert gpu_count(parse_gres("gpu:h200:2,shard:h200:16,gpu:a100:1")) == 3
+
+
+# --- node self-check and excluded nodes ----------------------------------------------------------------------
+
+
+def test_node_check_runs_once_per_node_with_its_gpus_before_the_ranks_and_excluded_nodes_are_directives():
+    hostile = "/runs/a b'; touch /tmp/pwned #"
+    spec = _minimal_spec(nodes=2, gpus_per_node=2, ranks_per_node=2, command=["python", "train.py"],
+                         node_check=["python", "node_check.py", "--checkpoint-dir", hostile],
+                         exclude=["gpu-node-01", "gpu-node-03"])
+    lines = render_sbatch_script(spec).splitlines()
+    check = next(line for line in lines if "node_check.py" in line)
+    assert lines.index(check) == len(lines) - 2 and lines[-1].startswith("exec srun")  # right before the ranks
+    assert shlex.split(check) == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--gres=gpu:2", "--",
+                                  "python", "node_check.py", "--checkpoint-dir", hostile]
+    assert "#SBATCH --exclude=gpu-node-01,gpu-node-03" in _directives(render_sbatch_script(spec))
+    assert "node_check" not in render_sbatch_script(_minimal_spec()) and "--exclude" not in render_sbatch_script(
+        _minimal_spec())
+
+
+@pytest.mark.parametrize("field_name, value", [
+    ("exclude", "gpu-node-01"), ("exclude", ["gpu node"]), ("exclude", ["a\nb"]), ("exclude", [""]),
+    ("node_check", "python check.py"), ("node_check", ["python", "a\x00b"]), ("node_check", [3]),
+])
+def test_bad_node_check_or_exclude_is_refused_naming_the_field(field_name, value):
+    with pytest.raises(InvalidJobSpecError, match=field_name):
+        _minimal_spec(**{field_name: value})
