@@ -29,9 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = check_node(node=node, gpus=args.gpus, checkpoint_dir=args.checkpoint_dir, min_free_gib=args.min_free_gib,
                         scratch_dir=args.scratch_dir, master=master)
     failed = [check for check in checks if not check.ok]
-    for check in checks:
-        if check.ok:
-            print(f"node check {node}: {check.name} ok ({check.detail})", flush=True)
+    if not failed:
+        print(f"node check {node}: ok ({'; '.join(f'{c.name}: {c.detail}' for c in checks)})", flush=True)
     for check in failed:
         print(failure_line(node, check), file=sys.stderr, flush=True)
     return NODE_CHECK_FAILED if failed else 0

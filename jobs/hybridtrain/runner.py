@@ -307,6 +307,7 @@ class _Trainer:
         )
         self.nodes, placement = describe_ranks(self.ranks)
         log.info("ranks: %s", placement)
+        self.reporter.fields["ranks"] = placement  # progress.json: the orchestrator's log names them too
         # The whole training split lives on the device (tabular rows are small next to GPU memory), and so does
         # the epoch's order of rows (copied once per epoch): a step slices its batch there, with no host copy
         # (a copy from pageable host memory waits for the GPU's queue to drain).

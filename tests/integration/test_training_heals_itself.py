@@ -27,7 +27,7 @@ STALL_TIMEOUT_S = 20
 DETECTION_SLACK_S = 30
 
 TRAINING_DAG = textwrap.dedent('''
-    from datetime import datetime
+    from datetime import datetime, timedelta
     from airflow.sdk import DAG
     from hybridflow.operators.training import DeepSpeedTrainingOperator
 
@@ -36,7 +36,7 @@ TRAINING_DAG = textwrap.dedent('''
             task_id="train", run_config={run_config!r}, run_dir={run_dir!r}, python={python!r},
             jobs_dir={jobs_dir!r}, partition="gpu-training", nodes={nodes}, gpus_per_node=1, cpus_per_task=1,
             time_limit=10, poll_interval_s=2, stall_timeout_s={stall_timeout_s}, max_stall_restarts=1,
-            mlflow_conn_id=None, retries=0,
+            mlflow_conn_id=None, retries={retries}, retry_delay=timedelta(seconds=1),
         )
 ''')
 
@@ -59,7 +59,7 @@ def test_a_stopped_rank_is_found_its_stack_reported_and_the_same_job_resumes_and
     source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
                                  python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
                                  jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"],
-                                 stall_timeout_s=STALL_TIMEOUT_S, nodes=2)
+                                 stall_timeout_s=STALL_TIMEOUT_S, nodes=2, retries=0)
     hook = SlurmHook()
     thread, box = run_in_thread(run_dag, source, dag_id, timeout_s=600)
     stopped_pid = None
@@ -82,6 +82,12 @@ def test_a_stopped_rank_is_found_its_stack_reported_and_the_same_job_resumes_and
         metrics = json.loads(hook.read_text(f"{run_dir}/metrics.json"))
         assert metrics["resumed_from_step"] >= progress["last_checkpoint_step"] and metrics["restarts"] == 1
         assert metrics["step"] == 400
+
+        log = result["log"]  # the task's log, as on-call reads it
+        assert "ranks (rank@node): 0@gpu-node-01, 1@gpu-node-02" in log and " rows/s" in log
+        assert "Training finished: holdout AUC 0." in log
+        completed = log[log.index("COMPLETED in"):]
+        assert "finished at step 400" in completed and "real_accelerator" not in completed
 
         [alert] = [a for a in alerts_of(dag_id) if a["kind"] == "stall"]
         assert "rank 1@gpu-node-02" in alert["error"] and alert["job_id"] == job_id, alert
@@ -113,7 +119,7 @@ def test_a_node_that_fails_its_self_check_is_left_out_and_training_completes_on_
     source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
                                  python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
                                  jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall_timeout_s=STALL_TIMEOUT_S,
-                                 nodes=1)
+                                 nodes=1, retries=0)
     scratch = Path(stack["HYBRIDFLOW_NODE_SCRATCH_DIR"].replace("%n", "gpu-node-01"))
     mode = scratch.stat().st_mode
     scratch.chmod(0o000)  # the job user can no longer write there: that node's self-check fails
@@ -136,4 +142,30 @@ def test_a_node_that_fails_its_self_check_is_left_out_and_training_completes_on_
         assert "NODE CHECK FAILED on gpu-node-01: scratch:" in alert["log_tail"]
     finally:
         scratch.chmod(mode)
+        hook.close()
+
+
+def test_a_data_error_fails_at_once_without_a_requeue_or_a_retry(run_dag, stack, training_area, make_run_config):
+    """Features of days that were never published: the job exits 2 (FeatureDataError); the task names the class
+    data_or_config_error and fails on its first try although it has a retry left; one job, never requeued."""
+    features, run_dir = training_area
+    dag_id = f"heal_data_{uuid.uuid4().hex[:6]}"
+    config = make_run_config(features, ds_range={"start": "2025-01-01", "end": "2025-01-02"})
+    source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
+                                 python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
+                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall_timeout_s=STALL_TIMEOUT_S,
+                                 nodes=1, retries=1)
+    hook = SlurmHook()
+    try:
+        result = run_dag(source, dag_id, timeout_s=300)
+        task = result["tasks"]["train"]
+        assert (result["state"], task["state"], task["try_number"]) == ("failed", "failed", 1), result["log"][-3000:]
+        log = result["log"]
+        assert "failure class data_or_config_error (action fail; runbook include/runbooks/training.md#data-or-" \
+               "config-error)" in log
+        assert "the job's errors" in log and "2025-01-01" in log  # the job's own error leads the tail
+        jobs = hook.find_by_name(next(line.split("(")[1].split(")")[0] for line in log.splitlines()
+                                      if "ended FAILED with exit code 2:0" in line))
+        assert [(j.state, j.exit_code, j.restarts) for j in jobs] == [("FAILED", 2, 0)]
+    finally:
         hook.close()

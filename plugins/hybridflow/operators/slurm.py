@@ -270,17 +270,15 @@ class SlurmSubmitOperator(BaseOperator):
 
     def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:
         if status.succeeded:
-            tail = self.hook.tail(status.stdout_path, self.log_tail_lines)
-            self.log.info("Slurm job %s COMPLETED in %.0f s (TRES %s); last lines of %s:\n%s", status.job_id,
-                          status.elapsed_s or 0, dict(status.alloc_tres), status.stdout_path or "its log", tail)
+            self.log.info("Slurm job %s COMPLETED in %.0f s (TRES %s); its log:\n%s", status.job_id,
+                          status.elapsed_s or 0, dict(status.alloc_tres), self._readable_log(status)[1])
             return {**status.to_event(), "recovery": self._recovery_records()}
         from airflow.sdk.exceptions import AirflowFailException
 
         from hybridflow.utils.failures import classify
 
         err_path = status.stderr_path or status.stdout_path
-        recovery = self._recovery_config
-        log_text = self.hook.tail(err_path, recovery.log_lines) if err_path else ""
+        log_text, tail = self._readable_log(status)
         verdict = classify(self.failure_classes, state=status.state, exit_code=status.exit_code,
                            signal=status.exit_signal, log_text=log_text)
         ended = (f"Slurm job {status.job_id} ({status.name}) ended {status.state} with exit code "
@@ -298,12 +296,22 @@ class SlurmSubmitOperator(BaseOperator):
             if why_not is None:
                 return self._follow()
             ended += f" Not resubmitted: {why_not}."
-        tail = "\n".join(log_text.splitlines()[-self.log_tail_lines:]) or "(no log found)"
         text = (f"{ended} {message}\nLast lines of {err_path or 'its log'}:\n{tail}\n"
                 f"Runbook: include/runbooks/{verdict.runbook}")
         if verdict.action == "fail":
             raise AirflowFailException(text)
         raise SlurmJobFailed(text)
+
+    def _readable_log(self, status: SlurmJobStatus) -> tuple[str, str]:
+        """The last lines of the job's stderr and stdout (``recovery.log_lines`` each), as searched text and as
+        the tail on-call reads (the job's errors first, known library noise left out)."""
+        from hybridflow.utils.job_logs import readable_tail
+
+        paths = list(dict.fromkeys(p for p in (status.stderr_path, status.stdout_path) if p))
+        sources = [(path, self.hook.tail(path, self._recovery_config.log_lines)) for path in paths]
+        if not sources:
+            return "", "(no log found)"
+        return "\n".join(text for _, text in sources), readable_tail(sources, self.log_tail_lines)
 
     # --- healing: the failure classes and the stall watch ---------------------------------------------------
 

@@ -359,9 +359,17 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
                          "verdict": report.verdict, "message": report.message},
         )
         result["mlflow"] = tracked
+        summary = result["metrics"]
+        self.log.info("Training finished: holdout AUC %s, log loss %s at step %s of %s; ranks %s; restarts %s",
+                      _figure(summary["auc"]), _figure(summary["log_loss"]), summary["step"], summary["total_steps"],
+                      ", ".join(summary["ranks"]) or "?", summary["restarts"] or 0)
         return result
 
 
 def _job_end(status: SlurmJobStatus) -> str:
     """How a job ended, as its MLflow tag: ``COMPLETED 0:0``, ``FAILED 2:0``."""
     return f"{status.state} {status.exit_code}:{status.exit_signal}"
+
+
+def _figure(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, int | float) else "not measured"

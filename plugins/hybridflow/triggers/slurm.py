@@ -68,6 +68,7 @@ class SlurmJobTrigger(BaseTrigger):
         self.heartbeat_dir = heartbeat_dir
         self.stall_timeout_s = stall_timeout_s
         self.world_size = world_size
+        self._ranks_logged: str | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -183,9 +184,15 @@ class SlurmJobTrigger(BaseTrigger):
         if result.returncode != 0:
             return
         try:
-            self.log.info("progress: %s", describe_progress(json.loads(result.stdout)))
+            progress = json.loads(result.stdout)
         except ValueError:
             self.log.info("progress file %s is being rewritten; next time", self.progress_path)
+            return
+        ranks = progress.get("ranks") if isinstance(progress, dict) else None
+        if ranks and ranks != self._ranks_logged:
+            self._ranks_logged = ranks
+            self.log.info("Slurm job %s ranks (rank@node): %s", self.job_id, ranks)
+        self.log.info("progress: %s", describe_progress(progress))
 
     def _error(self, message: str) -> dict:
         return {"status": "error", "job_id": self.job_id, "message": message}

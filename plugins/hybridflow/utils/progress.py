@@ -13,7 +13,8 @@ def _duration(seconds: float) -> str:
 
 
 def describe_progress(progress: Mapping) -> str:
-    """``step 120/400 (30%) loss 0.4123 2,310 samples/s ETA 1m52s restarts 1 ckpt@100``; missing keys are left out."""
+    """``step 120/400 (30%) loss 0.4123 2,310 rows/s ETA 1m52s restarts 1 ckpt@100``; missing keys are left out.
+    (rows/s: training rows per second over all ranks, the job's ``samples_per_s``.)"""
     parts = []
     step, total = progress.get("step"), progress.get("total_steps")
     if step is not None:
@@ -21,7 +22,7 @@ def describe_progress(progress: Mapping) -> str:
     if progress.get("loss") is not None:
         parts.append(f"loss {float(progress['loss']):.4f}")
     if progress.get("samples_per_s") is not None:
-        parts.append(f"{float(progress['samples_per_s']):,.0f} samples/s")
+        parts.append(f"{float(progress['samples_per_s']):,.0f} rows/s")
     if progress.get("eta_s") is not None:
         parts.append(f"ETA {_duration(float(progress['eta_s']))}")
     if progress.get("restarts"):

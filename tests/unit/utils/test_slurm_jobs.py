@@ -125,7 +125,7 @@ def test_slurm_status_event_round_trip():
     [
         ({"step": 120, "total_steps": 400, "loss": 0.41234, "samples_per_s": 2310.4, "eta_s": 112,
           "restarts": 1, "last_checkpoint_step": 100},
-         "step 120/400 (30%) loss 0.4123 2,310 samples/s ETA 1m52s restarts 1 ckpt@100"),
+         "step 120/400 (30%) loss 0.4123 2,310 rows/s ETA 1m52s restarts 1 ckpt@100"),
         ({"step": 5}, "step 5"),
         ({"eta_s": 7300}, "ETA 2h01m"),
         ({}, "no progress reported yet"),

@@ -71,7 +71,7 @@ def test_the_cli_exits_79_with_the_line_the_operator_reads(tmp_path):
     argv = [sys.executable, str(JOBS / "node_check.py"), "--checkpoint-dir", str(tmp_path), "--gpus", "0",
             "--min-free-gib", "0.001"]
     healthy = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-    assert healthy.returncode == 0 and "node check gpu-node-07: checkpoint filesystem ok" in healthy.stdout
+    assert healthy.returncode == 0 and healthy.stdout.startswith("node check gpu-node-07: ok (gpus: ")
     sick = subprocess.run([*argv, "--scratch-dir", str(tmp_path / "nowhere" / "%n")], env=env, capture_output=True,
                           text=True, timeout=60)
     assert sick.returncode == NODE_CHECK_FAILED == 79

@@ -1,0 +1,49 @@
+"""A Slurm job's log as on-call reads it: the job's own errors first, then its last lines without known noise.
+
+Libraries print lines that say nothing about this job (DeepSpeed's accelerator detection, its config dumps,
+Slurm's PMIx notice). A tail of the raw log shows those and hides the job's summary; this one drops them (and
+says how many), and puts error lines (a traceback, an ERROR log line, srun's and the node check's errors) first.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+# Lines known to carry nothing about the job (each measured in this suite's job logs).
+NOISE = (
+    re.compile(r"\[(?:WARNING|INFO)\]\s+\[real_accelerator\.py"),  # DeepSpeed: "Setting accelerator to CPU"
+    re.compile(r"Setting ds_accelerator to"),
+    re.compile(r"^\[[0-9-]+ [0-9:,]+\] \[INFO\] \[(?:config|engine|logging|utils|comm|torch)\.py"),  # DeepSpeed INFO
+    re.compile(r"can not load PMIx library"),  # Slurm's mpi/pmix with MpiDefault=none
+    re.compile(r"^node check \S+: ok \("),  # a healthy node's self-check line
+)
+ERROR = re.compile(r"\b(?:ERROR|CRITICAL)\b|Traceback \(most recent call last\)|^\w+(?:Error|Exception): "
+                   r"|srun: error:|slurmstepd: error:|NODE CHECK FAILED|^STALL of Slurm job")
+MAX_ERRORS = 10
+
+
+def is_noise(line: str) -> bool:
+    return any(pattern.search(line) for pattern in NOISE)
+
+
+def readable_tail(sources: Sequence[tuple[str, str]], lines: int) -> str:
+    """At most ``lines`` lines: the job's errors (at most ``MAX_ERRORS``, each once, in order), then the last lines
+    of each log that are not noise, the rest of the budget shared between them. ``sources``: ``(path, text)`` of
+    the job's logs, its stderr first. Within the budget, so a reader keeping the last N lines keeps the errors."""
+    kept_by_source, errors = [], []
+    for path, text in sources:
+        non_empty = [line for line in text.splitlines() if line.strip()]
+        kept = [line for line in non_empty if not is_noise(line)]
+        for line in kept:
+            if ERROR.search(line) and line not in errors:
+                errors.append(line)
+        kept_by_source.append((path, kept, len(non_empty) - len(kept)))
+    shown_errors = errors[: min(MAX_ERRORS, max(lines // 2 - 1, 0))]
+    out = [f"-- the job's errors ({len(shown_errors)} of {len(errors)}):", *shown_errors] if shown_errors else []
+    with_lines = [entry for entry in kept_by_source if entry[1]]
+    budget = (lines - len(out)) // max(len(with_lines), 1) - 1
+    for path, kept, dropped in with_lines:
+        note = f" ({dropped} line(s) of known library noise left out)" if dropped else ""
+        out += [f"-- last lines of {path}{note}:", *kept[-max(budget, 1):]]
+    return "\n".join(out) or "(the job's logs are empty)"
