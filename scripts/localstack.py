@@ -611,6 +611,9 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
+# A node whose slurmd stops answering is DOWN after this long (default 300 s): its jobs end NODE_FAIL and a
+# --requeue job starts again on the nodes that are up (tests/integration/test_training_heals_itself.py).
+SlurmdTimeout=30
 # Lets each node advertise the CPUs and GPUs of a GPU node on a 2-core machine.
 SlurmdParameters=config_overrides
 MinJobAge=300

@@ -1,13 +1,14 @@
 """Training that heals itself, on the real two-node Slurm through Airflow's task lifecycle (dag.test: the trigger
 runs inline): a stopped rank is found by the stall watch, its stack reaches the job's log and on-call, and the
-same job resumes from its checkpoint and completes; a node that fails its self-check is left out and training
-completes on the other node."""
+same job resumes from its checkpoint and completes; a node that fails its self-check is left out, and a node that
+dies mid-training is left behind, and training completes on the other node; a data error fails at once."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
 import textwrap
 import time
 import uuid
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers.processes import rank_pids
+from helpers.stack import LOCALSTACK
 from helpers.waiting import joined, run_in_thread, wait_until
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.notifiers.oncall import default_alerts_file
@@ -169,3 +171,72 @@ def test_a_data_error_fails_at_once_without_a_requeue_or_a_retry(run_dag, stack,
         assert [(j.state, j.exit_code, j.restarts) for j in jobs] == [("FAILED", 2, 0)]
     finally:
         hook.close()
+
+
+def processes_of_job(job_id: str) -> list[int]:
+    """Every process of a Slurm job on this machine: its slurmstepd daemons and what they run (the ranks, srun)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmdline.startswith(f"slurmstepd: [{job_id}.".encode()) or f"SLURM_JOB_ID={job_id}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def node_states(hook: SlurmHook, node: str) -> set[str]:
+    """The node's state in each partition it belongs to (sinfo prints one line per partition)."""
+    return set(hook.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"]).stdout.split())
+
+
+def test_a_node_that_dies_mid_training_is_left_behind_and_the_job_resumes_on_the_other(
+        run_dag, stack, training_area, make_run_config):
+    """gpu-node-01 'loses power' after the first checkpoint: its slurmd, the job's slurmstepd daemons and the rank
+    are frozen, then killed (nothing on the node tells slurmctld anything). After SlurmdTimeout (30 s here) the node
+    is DOWN and the job NODE_FAIL; Slurm requeues the same job, which resumes from its checkpoint on gpu-node-02
+    and completes. Afterwards `localstack up` brings the node back."""
+    features, run_dir = training_area
+    dag_id = f"heal_nodefail_{uuid.uuid4().hex[:6]}"
+    config = make_run_config(features, max_steps=3000, checkpoint_every_steps=300)
+    source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
+                                 python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
+                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall_timeout_s=300, nodes=1,
+                                 retries=0)
+    slurmd_pid = int(Path(f"{stack['HYBRIDFLOW_CLUSTER_DIR']}/slurm/run/slurmd-gpu-node-01.pid").read_text())
+    hook = SlurmHook()
+    thread, box = run_in_thread(run_dag, source, dag_id, timeout_s=500)
+    try:
+        progress = wait_until("a first checkpoint", lambda: (p := json.loads(hook.read_text(
+            f"{run_dir}/progress.json") or "{}")).get("last_checkpoint_step") and p, timeout_s=240, every_s=0.2)
+        job_id = str(progress["slurm_job_id"])
+        assert progress.get("ranks") == "0@gpu-node-01", progress
+        victims = [slurmd_pid, *processes_of_job(job_id)]
+        for pid in victims:  # frozen first, so none of them reports the others' end
+            os.kill(pid, signal.SIGSTOP)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        died_at = time.monotonic()
+
+        result = joined(thread, box, 480)
+        assert result["state"] == "success", result["log"][-5000:]
+        event = result["tasks"]["train"]["xcom"]["return_value"]
+        assert event["job_id"] == job_id and event["restarts"] == 1, event  # the same job, requeued by Slurm
+        metrics = json.loads(hook.read_text(f"{run_dir}/metrics.json"))
+        assert [(r["rank"], r["node"]) for r in metrics["deepspeed"]["ranks"]] == [(0, "gpu-node-02")]
+        assert metrics["resumed_from_step"] >= progress["last_checkpoint_step"] and metrics["step"] == 3000
+        attempts = hook.run(["sacct", "-D", "-X", "-P", "-n", "-j", job_id, "--format=State,NodeList"]).stdout
+        assert attempts.split() == ["NODE_FAIL|gpu-node-01", "COMPLETED|gpu-node-02"], attempts
+        print(f"RELIABILITY node-failure job={job_id} down_to_success_s={time.monotonic() - died_at:.0f}")
+    finally:
+        hook.close()
+        subprocess.run([*LOCALSTACK, "up"], capture_output=True, timeout=300)  # slurmd of gpu-node-01 again
+        checker = SlurmHook()
+        in_service = {"idle", "mixed"}
+        wait_until("gpu-node-01 back in service",
+                   lambda: in_service >= node_states(checker, "gpu-node-01") != set(), timeout_s=120)
+        checker.close()
