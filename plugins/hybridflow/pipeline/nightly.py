@@ -139,12 +139,33 @@ def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any
         "gpu_hours": utilization.get("gpu_hours"),
         "mean_gpu_utilization_pct": utilization.get("mean_utilization_pct"),
         "restarts": summary.get("restarts"),
+        "healing": healing_text(result.get("recovery")),
         "train_rows_processed": summary.get("train_rows_processed"),
         "auc": summary.get("auc"),
         "log_loss": summary.get("log_loss"),
         "step": summary.get("step"),
         "loss_curve": loss_points(metrics.get("loss_curve")),
     }
+
+
+def healing_text(records: Any) -> str | None:
+    """What was done to heal the training job (its recovery log, hybridflow.utils.failures), one clause each:
+    ``stall of rank 1@gpu-node-02 -> requeued; node gpu-node-01 failed its self-check (scratch) -> excluded``;
+    ``none`` when nothing was needed, None when the task predates the recovery log."""
+    if records is None:
+        return None
+    clauses = []
+    for record in records:
+        kind = record.get("kind")
+        if kind == "stall":
+            ranks = ", ".join(f"rank {r.get('rank')}@{r.get('node') or '?'}"
+                              for r in (record.get("stall") or {}).get("ranks", []))
+            clauses.append(f"stall of {ranks or 'unknown ranks'} -> requeued")
+        elif kind == "requeue":
+            clauses.append(f"{record.get('class', 'failure')} -> requeued")
+        elif kind == "exclude_node":
+            clauses.append(f"node {record.get('node')} failed its self-check ({record.get('check')}) -> excluded")
+    return "; ".join(clauses) or "none"
 
 
 def _whole_number(value: Any) -> int | None:

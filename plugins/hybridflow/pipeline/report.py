@@ -122,6 +122,7 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
         ("gpu_utilization_per_gpu", "gpu_utilization_per_gpu", "Utilization per GPU (the job's own)", "text", None),
         ("utilization_verdict", "utilization_verdict", "GPU utilization verdict", "text", None),
         ("restarts", "restarts", "Restarts (requeues)", "count", None),
+        ("healing", "healing", "Healing (stalls, failure classes, excluded nodes)", "text", None),
         ("train_rows_processed", "train_rows_processed", "Training rows processed", "count", "rows"),
         ("step", "step", "Last step", "count", None),
         ("auc", "auc", "Holdout AUC", "number", None),

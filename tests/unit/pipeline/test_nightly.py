@@ -165,3 +165,15 @@ def test_placement_figures_for_the_report():
     assert figures["evaluation"]["partition"] == "cpu" and "parameter_rows" not in figures["evaluation"]
     assert placement_figures(None, evaluation) is None
     assert placement_figures(training, None)["evaluation"] is None
+
+
+@pytest.mark.parametrize("records, text", [
+    (None, None),
+    ([], "none"),
+    ([{"kind": "stall", "job_id": "7", "stall": {"ranks": [{"rank": 1, "node": "gpu-node-02"}]}}],
+     "stall of rank 1@gpu-node-02 -> requeued"),
+    ([{"kind": "exclude_node", "node": "gpu-node-01", "check": "scratch"}, {"kind": "requeue", "class": "preempted"}],
+     "node gpu-node-01 failed its self-check (scratch) -> excluded; preempted -> requeued"),
+])
+def test_the_report_says_what_healed_the_training_job(records, text):
+    assert training_figures({"job_id": "7", "recovery": records}, None)["healing"] == text
