@@ -27,8 +27,9 @@ from hybridflow.utils.triton import Repository, VersionStatus
 DAG = "release_model"
 # Airflow 3.3 race: an answer within a second or two of the ask reaches the scheduler before the event of the
 # workload that paused the task; it then takes that event for a lost task and retries the approval (which asks
-# again, and the answer is lost). A person needs longer than this to read the figures.
-HUMAN_S = 5.0
+# again, and the answer is lost). Seen again at 5 s on a loaded CI run (2026-12-05: the approval asked twice, the
+# run timed out), so 20 s. A person needs longer than this to read the figures.
+HUMAN_S = 20.0
 
 
 class FixedRowClient(threading.Thread):

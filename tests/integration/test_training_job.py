@@ -237,6 +237,7 @@ def test_training_job_writes_metrics_checkpoints_progress_and_export(baseline):
         "last_checkpoint_step": total,
         "slurm_job_id": None,
         "run_id": metrics["run_id"],
+        "ranks": f"0@{NODE}",  # the placement, for the orchestrator's log
         "eta_s": 0.0,
         "updated_at": None,
         "loss": None,
