@@ -169,7 +169,7 @@ class SlurmSubmitOperator(BaseOperator):
         """argv of the check each node runs before the command (none here; training has one)."""
         return ()
 
-    def build_spec(self, name: str, comment: str | None = None, exclude: Sequence[str] = ()):
+    def build_spec(self, name: str, comment: str | None = None):
         from hybridflow.utils.slurm import SlurmJobSpec
 
         time_limit = int(self.time_limit) if str(self.time_limit).isdigit() else self.time_limit
@@ -184,10 +184,12 @@ class SlurmSubmitOperator(BaseOperator):
             mem=self.mem, time_limit=time_limit, account=self.account, qos=self.qos, constraint=self.constraint,
             signal=self.signal, requeue=self.requeue, output=f"{self.log_dir}/%x-%j.out",
             error=f"{self.log_dir}/%x-%j.err", comment=comment, setup_lines=self.setup_lines, env=env,
-            node_check=self.node_self_check(), exclude=tuple(exclude),
+            node_check=self.node_self_check(),
         )
 
     def execute(self, context: Context) -> dict:
+        from dataclasses import replace
+
         from hybridflow.utils.failures import excluded_nodes
         from hybridflow.utils.slurm import render_sbatch_script
         from hybridflow.utils.slurm_jobs import job_to_reattach
@@ -198,7 +200,7 @@ class SlurmSubmitOperator(BaseOperator):
         spec = self.build_spec(name, key.comment())  # validates every field before anything touches the cluster
         existing = job_to_reattach(self.hook.find_by_name(name), self.requeue)
         if existing is None and (exclude := excluded_nodes(self._recovery_records())):
-            spec = self.build_spec(name, key.comment(), exclude)  # a node this task excluded before stays out
+            spec = replace(spec, exclude=tuple(exclude))  # a node this task excluded before stays out
         if existing is not None:
             self.log.info("Reattaching to Slurm job %s (%s, %s) instead of submitting again", existing.job_id,
                           name, existing.state)
@@ -260,12 +262,11 @@ class SlurmSubmitOperator(BaseOperator):
         self.job_id = event["job_id"]
         if event["status"] == "error":
             raise SlurmConnectionError(f"{event.get('message', 'trigger failed')}. Runbook: {self.runbook}")
+        self._context = context
         if event["status"] == "stalled":
             from hybridflow.utils.stalls import Stall
 
-            self._context = context
             return self._heal_stall(SlurmJobStatus.from_event(event), Stall.from_event(event["stall"]))
-        self._context = context
         return self._finish(SlurmJobStatus.from_event(event), event.get("message", ""))
 
     def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:
@@ -369,6 +370,7 @@ class SlurmSubmitOperator(BaseOperator):
     def _resubmit_without_node(self, status: SlurmJobStatus, log_text: str, ended: str) -> str | None:
         """A node failed its self-check: submit once more without it (the alert names the node and the check).
         Returns None when resubmitted (``self.job_id`` is the new job), else why not."""
+        from dataclasses import replace
         from datetime import UTC, datetime
 
         from hybridflow.notifiers.oncall import UNHEALTHY_NODE
@@ -383,7 +385,7 @@ class SlurmSubmitOperator(BaseOperator):
             return f"this task excluded {', '.join(excluded_nodes(records))} already (one resubmission)"
         node, check, detail = found
         key = self.job_key(self._context)
-        spec = self.build_spec(key.job_name, key.comment(), exclude=[node])
+        spec = replace(self.build_spec(key.job_name, key.comment()), exclude=(node,))
         if spec.gpus_per_node or spec.nodes > 1:
             verdict = self.hook.capacity(spec.partition, spec.gpus_per_node, spec.nodes, exclude=[node])
             if verdict.impossible:
@@ -405,6 +407,7 @@ class SlurmSubmitOperator(BaseOperator):
         once ``max_stall_restarts`` is spent."""
         from airflow.sdk.exceptions import AirflowFailException
 
+        from hybridflow.notifiers.oncall import STALL
         from hybridflow.utils.stalls import stall_count, stall_report
 
         detected_at = time.time()
@@ -424,7 +427,7 @@ class SlurmSubmitOperator(BaseOperator):
             raise AirflowFailException(f"Slurm job {status.job_id} stalled: {stall.summary()}; {action}. "
                                        f"Runbook: include/runbooks/training.md#stall\n{report}")
         self._requeue(status, {"kind": "stall", "stall": stall.to_event(), "detected_at": round(detected_at, 3)})
-        self._alert("stall", f"Slurm job {status.job_id} stalled: {stall.summary()}; {action}", report)
+        self._alert(STALL, f"Slurm job {status.job_id} stalled: {stall.summary()}; {action}", report)
         return self._follow()
 
     def _stack(self, job_id: str, rank) -> str:

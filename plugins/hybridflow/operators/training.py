@@ -100,10 +100,10 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
                  fail_on_low_utilization: bool = NightlyConfig.fail_on_low_utilization,
                  mlflow_conn_id: str | None = "mlflow_default",
                  mlflow_experiment: str = NightlyConfig.mlflow_experiment, **kwargs):
-        # paths derived from run_dir move with it to a generation's directory; ones given explicitly stay
         from hybridflow.config import pipeline_config
         from hybridflow.utils.mlflow_tracking import validate_experiment_name
 
+        # paths derived from run_dir move with it to a generation's directory; ones given explicitly stay
         paths_from_run_dir = {key for key in ("log_dir", "progress_path", "heartbeat_dir") if key not in kwargs}
         kwargs.setdefault("log_dir", f"{run_dir}/logs")
         kwargs.setdefault("progress_path", f"{run_dir}/progress.json")
