@@ -16,8 +16,10 @@ from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.params import strict_params, text
 
 config = pipeline_config()
-# The job prints where it ran and, last, when it ended (the trigger_latency benchmark reads that line).
-PROBE = 'echo "host=$(hostname) user=$(id -un) gpus=${CUDA_VISIBLE_DEVICES:-none}"; echo "ended_at=$(date +%s.%N)"'
+# The job prints where it ran, holds the GPU for hold_s ($1), and, last, when it ended (the trigger_latency
+# benchmark reads that line).
+PROBE = ('echo "host=$(hostname) user=$(id -un) gpus=${CUDA_VISIBLE_DEVICES:-none}"; sleep "$1"; '
+         'echo "ended_at=$(date +%s.%N)"')
 
 with DAG(
     dag_id="platform_healthcheck",
@@ -32,6 +34,9 @@ with DAG(
         "run_spark": Param(True, type="boolean", description="Also spark-submit the probe job."),
         "spark_conn_id": Param("spark_default", type="string", enum=["spark_default", "spark_standalone"],
                                description="Spark connection to submit the probe job to."),
+        "hold_s": Param(0, type="integer", minimum=0, maximum=600,
+                        description="Keep the GPU job running this many seconds (0-600): a job longer than the "
+                                    "task's wait before deferring shows the hand-back through the triggerer."),
     }),
 ):
 
@@ -43,10 +48,10 @@ with DAG(
 
     gpu_job = SlurmSubmitOperator(
         task_id="slurm_gpu_job",
-        command=["bash", "-c", PROBE],
+        command=["bash", "-c", PROBE, "probe", "{{ params.hold_s }}"],
         partition="{{ params.partition }}",
         gpus_per_node=1,
-        time_limit=2,
+        time_limit=15,
         requeue=False,
         signal=None,
         log_dir=config.storage.layout.run_logs("healthcheck"),

@@ -39,5 +39,6 @@ with DAG(
         log_dir=config.storage.layout.run_logs("reliability_probe"),
         ssh_conn_id=config.cluster.ssh_conn_id,
         poll_interval_s=2,
+        wait_before_defer_s=0,  # the probe exists to exercise the deferred path (the triggerer)
         pool="gpu_training",
     )

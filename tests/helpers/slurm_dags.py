@@ -26,6 +26,8 @@ SLURM_DAG = textwrap.dedent('''
 def slurm_dag(dag_id: str, command: list[str], log_dir: str, **options) -> str:
     """The source of DAG ``dag_id``: one task ``job`` that runs ``command`` as a Slurm job on one GPU of the
     gpu-training partition (5 min limit, logs in ``log_dir``, polled every 2 s, no retries). ``options`` are
-    more operator arguments, written as given (progress_path, signal, reconnect_budget_s, deferrable, ...)."""
+    more operator arguments, written as given (progress_path, signal, reconnect_budget_s, deferrable, ...). The task
+    defers at once (``wait_before_defer_s=0``) unless told otherwise: these tests follow jobs through the trigger."""
+    options.setdefault("wait_before_defer_s", 0)
     lines = "".join(f"\n        {key}={value!r}," for key, value in options.items())
     return SLURM_DAG.format(dag_id=dag_id, command=command, log_dir=log_dir, options=lines)

@@ -63,7 +63,8 @@ FOLLOWS_ITS_JOB = textwrap.dedent('''
             pass
 
         SlurmSubmitOperator(task_id="job", command=["sleep", "300"], partition="cpu", time_limit=10, requeue=False,
-                            signal=None, log_dir="{log_dir}", poll_interval_s=2, retries=0) >> after()
+                            signal=None, log_dir="{log_dir}", poll_interval_s=2, retries=0,
+                            wait_before_defer_s=0) >> after()
 ''')
 
 

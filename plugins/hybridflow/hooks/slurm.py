@@ -22,7 +22,7 @@ from hybridflow.utils.reconcile import (
     parse_user_jobs,
     user_jobs_argv,
 )
-from hybridflow.utils.slurm import parse_sbatch_parsable, parse_sinfo_gpus, parse_squeue
+from hybridflow.utils.slurm import parse_sbatch_parsable, parse_sinfo_gpus, parse_squeue, wait_for_file_argv
 from hybridflow.utils.slurm_jobs import (
     SlurmJobStatus,
     job_ids_by_name,
@@ -205,6 +205,10 @@ class SlurmHook(BaseHook):
         return capacity_verdict(partition, parse_sinfo_gpus(sinfo.stdout), parse_squeue(pending.stdout),
                                 gpus_per_node, nodes, exclude)
 
+    def wait_for_file(self, path: str, window_s: float) -> bool:
+        """Whether ``path`` exists now or appears within ``window_s`` (one command waiting on the login node)."""
+        return self.run(wait_for_file_argv(path, window_s), timeout_s=window_s + 60).returncode == 0
+
     def tail(self, path: str, lines: int = 50) -> str:
         if not path:
             return ""
@@ -309,6 +313,9 @@ class SlurmAsyncHook:
         if not scontrol_says_unknown(shown.returncode, shown.stderr):
             raise SlurmConnectionLost(f"scontrol failed: {shown.stderr.strip()}")
         return status_from_sacct((await self.run(sacct_argv(job_id))).stdout, job_id)
+
+    async def wait_for_file(self, path: str, window_s: float) -> bool:
+        return (await self.run(wait_for_file_argv(path, window_s), timeout_s=window_s + 60)).returncode == 0
 
     async def capacity(self, partition: str, gpus_per_node: int, nodes: int = 1) -> CapacityVerdict:
         sinfo = await self.run(capacity_sinfo_argv(partition))

@@ -49,6 +49,9 @@ class SlurmSubmitOperator(BaseOperator):
     :param requeue: let Slurm requeue the job on preemption or node failure; followed up to ``max_requeues``.
     :param signal: ``SIG@seconds`` sent before the time limit so the job can checkpoint.
     :param deferrable: wait in the triggerer (default) instead of holding a worker slot.
+    :param wait_before_defer_s: a deferrable task first waits this long for its job here (holding the worker slot):
+        a short job's end is then seen at once and its task ends without the round trip through the triggerer
+        (about 3 s). 0 defers at once.
     :param stall_timeout_s: the stall watch (0: off): the ranks write heartbeats into ``heartbeat_dir``
         (templated; jobs/hybridtrain/heartbeat.py) and the trigger reads them. No rank progressing for this long:
         the stopped ranks' Python stacks (``py_spy`` on the cluster, through ``srun --overlap``) go into the job's
@@ -99,6 +102,7 @@ class SlurmSubmitOperator(BaseOperator):
         log_tail_lines: int = 40,
         runbook: str = DEFAULT_RUNBOOK,
         deferrable: bool = True,
+        wait_before_defer_s: float = 20.0,
         hide_gpus_without_gres: bool = False,
         stall_timeout_s: float = 0.0,
         max_stall_restarts: int = RecoveryConfig.max_stall_restarts,
@@ -133,6 +137,7 @@ class SlurmSubmitOperator(BaseOperator):
         self.log_tail_lines = log_tail_lines
         self.runbook = runbook
         self.deferrable = deferrable
+        self.wait_before_defer_s = wait_before_defer_s
         self.hide_gpus_without_gres = hide_gpus_without_gres
         self.stall_timeout_s = stall_timeout_s
         self.max_stall_restarts = max_stall_restarts
@@ -184,7 +189,7 @@ class SlurmSubmitOperator(BaseOperator):
             mem=self.mem, time_limit=time_limit, account=self.account, qos=self.qos, constraint=self.constraint,
             signal=self.signal, requeue=self.requeue, output=f"{self.log_dir}/%x-%j.out",
             error=f"{self.log_dir}/%x-%j.err", comment=comment, setup_lines=self.setup_lines, env=env,
-            node_check=self.node_self_check(),
+            node_check=self.node_self_check(), end_marker_dir=self.log_dir,
         )
 
     def execute(self, context: Context) -> dict:
@@ -219,11 +224,15 @@ class SlurmSubmitOperator(BaseOperator):
         return self._follow()
 
     def _follow(self) -> dict:
-        """Wait for the job: deferred (the trigger), or here holding the worker slot."""
-        if self.deferrable:
-            self.defer(trigger=self._trigger(), method_name="execute_complete",
-                       timeout=self.execution_timeout or timedelta(days=7))
-        return self._finish(self._wait_here())
+        """Wait for the job: here for ``wait_before_defer_s``, then deferred (the trigger); or here to its end,
+        holding the worker slot."""
+        if not self.deferrable:
+            return self._finish(self._wait_here())
+        ended = self._wait_here(self.wait_before_defer_s) if self.wait_before_defer_s > 0 else None
+        if ended is not None:
+            return self._finish(ended)
+        self.defer(trigger=self._trigger(), method_name="execute_complete",
+                   timeout=self.execution_timeout or timedelta(days=7))
 
     def _refuse_impossible_shape(self, spec) -> None:
         from airflow.sdk.exceptions import AirflowFailException
@@ -241,17 +250,28 @@ class SlurmSubmitOperator(BaseOperator):
             reconnect_budget_s=self.reconnect_budget_s, progress_path=self.progress_path,
             heartbeat_dir=self.heartbeat_dir if self.stall_timeout_s else "", stall_timeout_s=self.stall_timeout_s,
             world_size=_whole(self.nodes, "nodes") * max(_whole(self.ranks_per_node, "ranks_per_node"), 1),
+            end_marker_dir=self.log_dir,
         )
 
-    def _wait_here(self) -> SlurmJobStatus:
-        """Non-deferrable mode: the same backoff as the trigger, holding this worker slot."""
-        delay = 1.0
+    def _wait_here(self, for_s: float | None = None) -> SlurmJobStatus | None:
+        """The job's final status, waited for here as the trigger waits (:class:`EndWatch`), holding this worker
+        slot; None when it has not ended within ``for_s`` seconds (None: no limit)."""
+        from hybridflow.utils.slurm_jobs import EndWatch
+
+        deadline = None if for_s is None else time.monotonic() + for_s
+        watch = EndWatch(self.log_dir, self.poll_interval_s, min_s=0.5)
         while True:
             status = self.hook.status(self.job_id)
             if status is not None and status.final(self.requeue):
                 return status
-            time.sleep(delay)
-            delay = min(delay * 2, self.poll_interval_s)
+            left = float("inf") if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return None
+            wait = watch.next_wait(status)
+            if not wait.marker:
+                time.sleep(min(wait.seconds, left))
+            elif self.hook.wait_for_file(wait.marker, min(wait.seconds, left)):
+                watch.marker_seen(status)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
         from hybridflow.utils.slurm_jobs import SlurmJobStatus

@@ -38,6 +38,9 @@ class SlurmJobTrigger(BaseTrigger):
     :param heartbeat_dir: the ranks' heartbeat files on the cluster ("" turns the stall watch off); read while the
         job runs, at most every ``stall_timeout_s / 4`` seconds (file reads only: no load on slurmctld).
     :param world_size: the job's ranks (one that never reported is among the stopped).
+    :param end_marker_dir: where the job's batch shell marks its end (the job's log dir; "" when it does not):
+        while the job runs the trigger waits on that file instead of sleeping (:class:`EndWatch`), so a job's end is
+        seen within a fraction of a second however long it ran.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class SlurmJobTrigger(BaseTrigger):
         heartbeat_dir: str = "",
         stall_timeout_s: float = 0.0,
         world_size: int = 1,
+        end_marker_dir: str = "",
     ):
         super().__init__()
         self.job_id = job_id
@@ -68,6 +72,7 @@ class SlurmJobTrigger(BaseTrigger):
         self.heartbeat_dir = heartbeat_dir
         self.stall_timeout_s = stall_timeout_s
         self.world_size = world_size
+        self.end_marker_dir = end_marker_dir
         self._ranks_logged: str | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -86,6 +91,7 @@ class SlurmJobTrigger(BaseTrigger):
                 "heartbeat_dir": self.heartbeat_dir,
                 "stall_timeout_s": self.stall_timeout_s,
                 "world_size": self.world_size,
+                "end_marker_dir": self.end_marker_dir,
             },
         )
 
@@ -97,7 +103,9 @@ class SlurmJobTrigger(BaseTrigger):
             await hook.close()
 
     async def _follow(self, hook: SlurmAsyncHook) -> dict:
-        delay = self.min_poll_interval_s
+        from hybridflow.utils.slurm_jobs import EndWatch
+
+        watch = EndWatch(self.end_marker_dir, self.poll_interval_s, self.min_poll_interval_s)
         seen: tuple[str, int] | None = None
         unknown_polls = 0
         lost_since: float | None = None
@@ -132,7 +140,6 @@ class SlurmJobTrigger(BaseTrigger):
             else:
                 if (status.state, status.restarts) != seen:
                     seen = (status.state, status.restarts)
-                    delay = self.min_poll_interval_s
                     restarts = f", restarts {status.restarts}" if status.restarts else ""
                     reason = f" ({status.reason})" if status.reason not in ("", "None") else ""
                     self.log.info("Slurm job %s is %s%s%s", self.job_id, status.state, reason, restarts)
@@ -155,12 +162,26 @@ class SlurmJobTrigger(BaseTrigger):
                 if self.progress_path and time.monotonic() - last_progress >= self.progress_every_s:
                     last_progress = time.monotonic()
                     await self._log_progress(hook)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.poll_interval_s)
+            await self._wait(hook, watch, status)
+
+    async def _wait(self, hook: SlurmAsyncHook, watch, status) -> None:
+        wait = watch.next_wait(status)
+        if not wait.marker:
+            await asyncio.sleep(wait.seconds)
+            return
+        window = min(wait.seconds, self._stall_check_every_s()) if self.heartbeat_dir else wait.seconds
+        try:
+            if await hook.wait_for_file(wait.marker, window):
+                watch.marker_seen(status)
+        except SlurmConnectionLost:
+            pass  # the next status poll reconnects within the budget, or fails clearly
+
+    def _stall_check_every_s(self) -> float:
+        return min(self.stall_timeout_s / 4, 30.0)
 
     def _stall_watch_due(self, status, last_check: float) -> bool:
         return bool(self.heartbeat_dir and self.stall_timeout_s > 0 and status.state == "RUNNING"
-                    and time.monotonic() - last_check >= min(self.stall_timeout_s / 4, 30.0))
+                    and time.monotonic() - last_check >= self._stall_check_every_s())
 
     async def _find_stall(self, hook: SlurmAsyncHook, status):
         from hybridflow.utils.stalls import find_stall, parse_heartbeats, read_heartbeats_argv

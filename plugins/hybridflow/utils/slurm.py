@@ -38,6 +38,7 @@ __all__ = [
     "SlurmJobSpec",
     "SqueueRecord",
     "deterministic_job_name",
+    "end_marker_path",
     "gpu_count",
     "is_final",
     "latest_by_job_id",
@@ -51,6 +52,7 @@ __all__ = [
     "render_sbatch_script",
     "node_check_argv",
     "srun_argv",
+    "wait_for_file_argv",
     "scontrol_exit_code",
     "scontrol_job_state",
     "scontrol_restarts",
@@ -227,6 +229,10 @@ class SlurmJobSpec:
     :param node_check: argv of a self-check run once on every node before the command (one ``srun`` task per
         node holding the node's GPUs); a node that fails it ends the job with the check's exit code.
     :param exclude: nodes the job must not run on (``--exclude``), e.g. one that failed its self-check.
+    :param end_marker_dir: a directory on the shared filesystem where the batch shell writes its end marker
+        (:func:`end_marker_path`, holding the command's exit status) the moment the command ends, so a waiting task
+        sees the end at once instead of at its next poll; the command then runs as the shell's child, with the
+        signals the shell gets passed on (see :func:`render_sbatch_script`). None: no marker, ``exec`` as before.
     """
 
     job_name: str
@@ -252,11 +258,12 @@ class SlurmJobSpec:
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     node_check: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
+    end_marker_dir: str | None = None
 
     def __post_init__(self) -> None:
         self._validate_names()
         self._validate_resources()
-        for field_name in ("output", "error", "workdir", "comment"):
+        for field_name in ("output", "error", "workdir", "comment", "end_marker_dir"):
             _check_directive_text(field_name, getattr(self, field_name))
         if self.comment is not None and len(self.comment.encode()) > JOB_COMMENT_MAX_BYTES:
             raise _fail("comment", self.comment, f"use at most {JOB_COMMENT_MAX_BYTES} bytes (slurmctld refuses more)")
@@ -427,8 +434,49 @@ def render_sbatch_script(spec: SlurmJobSpec) -> str:
     lines += spec.setup_lines
     if spec.node_check:
         lines.append(shlex.join(node_check_argv(spec)))
-    lines.append(f"exec {shlex.join(srun_argv(spec) if spec.ranks_per_node else spec.command)}")
+    command = shlex.join(srun_argv(spec) if spec.ranks_per_node else spec.command)
+    if spec.end_marker_dir is None:
+        lines.append(f"exec {command}")
+    else:
+        lines += _RUN_AND_MARK_END.format(command=command, marker=end_marker_path(
+            shlex.quote(spec.end_marker_dir), '"${SLURM_JOB_ID:-0}"', '"${SLURM_RESTART_COUNT:-0}"')).splitlines()
     return "\n".join(lines) + "\n"
+
+
+# The command as the batch shell's child, so the shell can mark its end: the signals the shell gets (B:USR2 before
+# the time limit, `scancel --batch`, TERM) are passed on, a signal that woke `wait` while the child runs is waited
+# out, the marker holds the exit status, and a child killed by a signal kills the shell with the same signal, so
+# accounting keeps <code>:<signal> as with exec. A background child ignores SIGINT (bash, no job control).
+_RUN_AND_MARK_END = """\
+{command} &
+hf_child=$!
+hf_pass_on() {{ kill -s "$1" "$hf_child" 2>/dev/null || true; }}
+for hf_signal in TERM HUP USR1 USR2; do trap "hf_pass_on $hf_signal" "$hf_signal"; done
+hf_status=0; wait "$hf_child" || hf_status=$?
+while kill -0 "$hf_child" 2>/dev/null; do hf_status=0; wait "$hf_child" || hf_status=$?; done
+if [ "$hf_status" -gt 128 ]; then
+  hf_last=0; wait "$hf_child" 2>/dev/null || hf_last=$?; [ "$hf_last" -eq 127 ] || hf_status=$hf_last
+fi
+printf '%s\\n' "$hf_status" > {marker} || true
+if [ "$hf_status" -gt 128 ] && hf_name=$(kill -l "$hf_status" 2>/dev/null); then
+  trap - "$hf_name"; kill -s "$hf_name" "$$"
+fi
+exit "$hf_status"
+"""
+
+
+def end_marker_path(marker_dir: str, job_id: str, restart: str | int) -> str:
+    """Where the batch shell of job ``job_id`` marks the end of its run number ``restart`` (Slurm's restart count:
+    a requeued job runs again under the same id)."""
+    return f"{marker_dir}/.ended-{job_id}-{restart}"
+
+
+def wait_for_file_argv(path: str, window_s: float, every_s: float = 0.2) -> list[str]:
+    """A command that returns as soon as ``path`` exists (exit 0) or after ``window_s`` (exit 1): file stats on the
+    login node, no call to slurmctld."""
+    tries = max(1, round(window_s / every_s))
+    loop = 'n=$2; while [ "$n" -gt 0 ]; do [ -e "$1" ] && exit 0; sleep "$3"; n=$((n - 1)); done; [ -e "$1" ]'
+    return ["sh", "-c", loop, "sh", path, str(tries), f"{every_s:g}"]
 
 
 # --- Shared field parsers -----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from hybridflow.utils.slurm import (
     SUCCESS_STATES,
     _parse_duration,
     deterministic_job_name,
+    end_marker_path,
     is_final,
     latest_by_job_id,
     normalise_state,
@@ -70,6 +71,51 @@ class SlurmJobStatus:
     def from_event(cls, event: Mapping) -> SlurmJobStatus:
         keys = cls.__dataclass_fields__.keys()
         return cls(**{k: v for k, v in event.items() if k in keys})
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The next wait of someone following a job: sleep ``seconds``, or wait on the file ``marker`` for at most
+    that long (it returns the moment the file appears)."""
+
+    seconds: float
+    marker: str = ""
+
+
+class EndWatch:
+    """How the operator and the trigger wait between two looks at a job (shared, so both follow it alike).
+
+    While the job runs they wait on its end marker (written by the batch shell the moment its command ends, see
+    :func:`~hybridflow.utils.slurm.render_sbatch_script`): file stats on the login node, no slurmctld call, for up
+    to ``max_s``. Once it appeared they poll fast (from ``fast_s``) until Slurm says the job ended, which follows
+    within a second. Otherwise (pending, no marker dir) they poll with a backoff from ``min_s`` to ``max_s``,
+    restarted whenever the state changes. So a job's end is seen within a fraction of a second however long it
+    ran, with at most one status call per ``max_s`` while it runs, as plain polling at ``max_s``.
+    """
+
+    FAST_S = 0.2
+
+    def __init__(self, marker_dir: str, max_s: float, min_s: float = 1.0):
+        self.marker_dir, self.max_s, self.min_s = marker_dir, max_s, min_s
+        self._delay = min_s
+        self._seen: tuple[str, int] | None = None
+        self._marked: tuple[str, int] | None = None
+
+    def next_wait(self, status: SlurmJobStatus | None) -> Wait:
+        if status is not None and (status.state, status.restarts) != self._seen:
+            self._seen = (status.state, status.restarts)
+            self._delay = self.min_s if self._marked != (status.job_id, status.restarts) else self.FAST_S
+        if (self.marker_dir and status is not None and status.state == "RUNNING"
+                and self._marked != (status.job_id, status.restarts)):
+            return Wait(self.max_s, end_marker_path(self.marker_dir, status.job_id, status.restarts))
+        wait = Wait(self._delay)
+        self._delay = min(self._delay * 2, self.max_s)
+        return wait
+
+    def marker_seen(self, status: SlurmJobStatus) -> None:
+        """The batch shell of this run of the job marked its end: poll fast until Slurm agrees."""
+        self._marked = (status.job_id, status.restarts)
+        self._delay = self.FAST_S
 
 
 def scontrol_argv(job_id: str) -> list[str]:
