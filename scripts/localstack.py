@@ -34,6 +34,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from datetime import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
@@ -788,6 +789,12 @@ def node_state(node: str) -> str:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
 
 
+def node_registered(node: str) -> bool:
+    """slurmctld has heard from the node's slurmd (sinfo marks a node it has not with ``*``, or unknown)."""
+    state = node_state(node)
+    return bool(state) and not state.endswith("*") and "unknown" not in state and "not_responding" not in state
+
+
 def slurmd_pidfile(node: str) -> Path:
     return P.slurm / "run" / f"slurmd-{node}.pid"  # SlurmdPidFile's %n
 
@@ -1389,11 +1396,13 @@ def cmd_up(names: list[str]) -> int:
     deploy_jobs()
     write_airflow_files()
     chosen = by_name(names)
+    db_started_at = None
     if any(s.name.startswith("airflow") or s.name == "mlflow" for s in chosen):
         # The database first: Airflow's migration below, every Airflow component and MLflow need it.
         for db in by_name(["postgres"]) if METADATA_DB == "postgres" else []:  # by_name([]) would be all
             if not db.ready():
                 log("postgres: starting")
+                db_started_at = time.time()
                 db.pidfile.write_text(f"{db.start()}\n")
                 wait_for(db.name, db.ready, db.timeout, db.logfile)
                 log("postgres: ready")
@@ -1417,6 +1426,14 @@ def cmd_up(names: list[str]) -> int:
     # Airflow's components are the slowest to start and need nothing from the cluster: start them first.
     for svc in sorted(chosen, key=lambda svc: not svc.name.startswith("airflow")):
         stamp = P.run_dir / f"{svc.name}.env"
+        if svc.name.startswith("slurmd-") and "slurmctld" in started and svc.owned_pid():
+            # A controller that just started has not heard from the running slurmds yet (their nodes show unknown
+            # or not responding): let them register before judging them; restarting one would abort its job steps.
+            node = svc.name.removeprefix("slurmd-")
+            try:
+                wait_for(f"{node} registering with slurmctld", lambda node=node: node_registered(node), 30)
+            except RuntimeError as exc:
+                log(f"{svc.name}: {exc}")
         restart = bool(svc.name in digests and svc.owned_pid() and stamp.exists()
                        and stamp.read_text() != digests[svc.name])
         if restart:
@@ -1457,6 +1474,8 @@ def cmd_up(names: list[str]) -> int:
     for svc in pending:
         wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)
         log(f"{svc.name}: ready")
+    if db_started_at is not None:
+        restart_airflow_that_lost_its_database([s for s in chosen if s.name in AIRFLOW_HEARTBEATS], db_started_at)
     mlflow = by_name(["mlflow"])[0]
     if started & {"s3", "mlflow"} and mlflow.owned_pid():
         ensure_mlflow_bucket(write_mlflow_files())
@@ -1465,6 +1484,50 @@ def cmd_up(names: list[str]) -> int:
         import_file_registry()
     log(f"up in {time.monotonic() - t0:.1f} s")
     return cmd_status(names, as_json=False)
+
+
+# Airflow's components that heartbeat into the metadata DB, by their key in the api-server's health endpoint.
+AIRFLOW_HEARTBEATS = {"airflow-scheduler": "scheduler", "airflow-triggerer": "triggerer",
+                      "airflow-dag-processor": "dag_processor"}
+
+
+def airflow_heartbeat(component: str) -> float:
+    """When the component last heartbeat (epoch seconds), per the api-server; 0 when unknown."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{STACK['airflow_api_port']}/api/v2/monitor/health",
+                                    timeout=5) as resp:
+            health = json.load(resp).get(component) or {}
+    except (OSError, ValueError):
+        return 0.0
+    beat = next((value for key, value in health.items() if key.startswith("latest_") and value), None)
+    try:
+        return datetime.fromisoformat(beat).timestamp() if beat else 0.0
+    except ValueError:
+        return 0.0
+
+
+def restart_airflow_that_lost_its_database(components: list[Service], db_started_at: float,
+                                            timeout_s: float = 600) -> None:
+    """PostgreSQL was started again under running Airflow components: one that hit the outage shuts itself down
+    (the scheduler first lets its running tasks finish), one that did not heartbeats on. Wait for each to do one
+    or the other, and start the ones that exited: one `up` brings the whole control plane back."""
+    for svc in components:
+        deadline, told = time.monotonic() + timeout_s, False
+        while svc.owned_pid() and airflow_heartbeat(AIRFLOW_HEARTBEATS[svc.name]) <= db_started_at:
+            if time.monotonic() > deadline:
+                log(f"{svc.name}: neither heartbeat nor exited {timeout_s:.0f} s after the database came back; "
+                    f"restart it: localstack down {svc.name} && localstack up {svc.name}")
+                break
+            if not told:
+                log(f"{svc.name}: waiting until it heartbeats on the restarted database or exits (it lets its "
+                    "running tasks finish first)")
+                told = True
+            time.sleep(1)
+        if not svc.owned_pid():
+            log(f"{svc.name}: exited after losing its database; starting it")
+            svc.pidfile.write_text(f"{svc.start()}\n")
+            wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)
+            log(f"{svc.name}: ready")
 
 
 def import_file_registry() -> None:

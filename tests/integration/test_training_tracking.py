@@ -37,7 +37,7 @@ def training_dag(dag_id: str, run_config: dict, run_dir: str, stack, experiment:
                 task_id="train", run_config={run_config!r}, run_dir="{run_dir}",
                 python="{stack["HYBRIDFLOW_CLUSTER_PYTHON"]}", jobs_dir="{stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"]}",
                 partition="gpu-training", gpus_per_node=1, cpus_per_task=2, time_limit=10, poll_interval_s=2,
-                retries=0, mlflow_conn_id="{conn_id}", mlflow_experiment="{experiment}", wait_before_defer_s=0{extra},
+                retries=0, mlflow_conn_id="{conn_id}", mlflow_experiment="{experiment}"{extra},
             )
     ''')
 

@@ -250,7 +250,8 @@ class SlurmSubmitOperator(BaseOperator):
             reconnect_budget_s=self.reconnect_budget_s, progress_path=self.progress_path,
             heartbeat_dir=self.heartbeat_dir if self.stall_timeout_s else "", stall_timeout_s=self.stall_timeout_s,
             world_size=_whole(self.nodes, "nodes") * max(_whole(self.ranks_per_node, "ranks_per_node"), 1),
-            end_marker_dir=self.log_dir,
+            end_marker_dir=self.log_dir, recovery_log=self._recovery_log(),
+            log_lines=self._recovery_config.log_lines, log_tail_lines=self.log_tail_lines,
         )
 
     def _wait_here(self, for_s: float | None = None) -> SlurmJobStatus | None:
@@ -287,13 +288,16 @@ class SlurmSubmitOperator(BaseOperator):
             from hybridflow.utils.stalls import Stall
 
             return self._heal_stall(SlurmJobStatus.from_event(event), Stall.from_event(event["stall"]))
-        return self._finish(SlurmJobStatus.from_event(event), event.get("message", ""))
+        return self._finish(SlurmJobStatus.from_event(event), event.get("message", ""), event.get("handback"))
 
-    def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:
+    def _finish(self, status: SlurmJobStatus, message: str = "", handback: Mapping[str, Any] | None = None) -> dict:
+        """The task's end for a job that ended: its result, a requeue or resubmission, or its failure.
+        ``handback``: what the trigger read for a job that succeeded (log tail, recovery records)."""
         if status.succeeded:
+            tail = handback["log_tail"] if handback else self._readable_log(status)[1]
             self.log.info("Slurm job %s COMPLETED in %.0f s (TRES %s); its log:\n%s", status.job_id,
-                          status.elapsed_s or 0, dict(status.alloc_tres), self._readable_log(status)[1])
-            return {**status.to_event(), "recovery": self._recovery_records()}
+                          status.elapsed_s or 0, dict(status.alloc_tres), tail)
+            return {**status.to_event(), "recovery": handback["recovery"] if handback else self._recovery_records()}
         from airflow.sdk.exceptions import AirflowFailException
 
         from hybridflow.utils.failures import classify
@@ -326,12 +330,13 @@ class SlurmSubmitOperator(BaseOperator):
     def _readable_log(self, status: SlurmJobStatus) -> tuple[str, str]:
         """The last lines of the job's stderr and stdout (``recovery.log_lines`` each), as searched text and as
         the tail on-call reads (the job's errors first, known library noise left out)."""
-        from hybridflow.utils.job_logs import readable_tail
+        from hybridflow.utils.job_logs import parse_tails, readable_tail, tails_argv
 
         paths = list(dict.fromkeys(p for p in (status.stderr_path, status.stdout_path) if p))
-        sources = [(path, self.hook.tail(path, self._recovery_config.log_lines)) for path in paths]
-        if not sources:
+        if not paths:
             return "", "(no log found)"
+        tails = parse_tails(self.hook.run(tails_argv(paths, self._recovery_config.log_lines)).stdout)
+        sources = [(path, tails.get(path, "")) for path in paths]
         return "\n".join(text for _, text in sources), readable_tail(sources, self.log_tail_lines)
 
     # --- healing: the failure classes and the stall watch ---------------------------------------------------

@@ -114,6 +114,8 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         kwargs.setdefault("py_spy", f"{python.rsplit('/', 1)[0]}/py-spy" if "/" in python else "py-spy")
         kwargs.setdefault("ranks_per_node", kwargs.get("gpus_per_node", 1))
         kwargs.setdefault("hide_gpus_without_gres", True)  # the CPU placement trains on CPUs, whatever the node has
+        # Training runs minutes to hours on a real cluster: waiting for its end in the worker first buys nothing.
+        kwargs.setdefault("wait_before_defer_s", 0)
         super().__init__(command=[python, f"{jobs_dir}/train.py", "--config", f"{run_dir}/config.json"], **kwargs)
         self.run_config = run_config if isinstance(run_config, str) else dict(run_config)
         self.run_dir = run_dir
@@ -328,14 +330,14 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         return {"run_id": run_id, "experiment_id": experiment_id, "url": mlflow.run_url(experiment_id, run_id),
                 "logged_after_job": logged_now}
 
-    def _finish(self, status: SlurmJobStatus, message: str = "") -> dict:
+    def _finish(self, status: SlurmJobStatus, message: str = "", handback: Mapping[str, Any] | None = None) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
         from hybridflow.pipeline.gates import utilization_report
         from hybridflow.utils.slurm_jobs import generation
 
         try:
-            result = super()._finish(status, message)  # raises unless the job COMPLETED (or defers, requeued)
+            result = super()._finish(status, message, handback)  # raises unless the job COMPLETED (or defers, requeued)
         except (SlurmJobFailed, AirflowFailException):
             self._end_mlflow_run_failed(status)
             raise

@@ -41,6 +41,9 @@ class SlurmJobTrigger(BaseTrigger):
     :param end_marker_dir: where the job's batch shell marks its end (the job's log dir; "" when it does not):
         while the job runs the trigger waits on that file instead of sleeping (:class:`EndWatch`), so a job's end is
         seen within a fraction of a second however long it ran.
+    :param recovery_log: the task's recovery log (:mod:`hybridflow.utils.failures`); with ``log_lines`` and
+        ``log_tail_lines``: a job that succeeded comes back with its readable log tail and recovery records
+        (``handback``) read here in one command, so the resumed task needs no SSH round trip of its own.
     """
 
     def __init__(
@@ -58,6 +61,9 @@ class SlurmJobTrigger(BaseTrigger):
         stall_timeout_s: float = 0.0,
         world_size: int = 1,
         end_marker_dir: str = "",
+        recovery_log: str = "",
+        log_lines: int = 200,
+        log_tail_lines: int = 40,
     ):
         super().__init__()
         self.job_id = job_id
@@ -73,6 +79,9 @@ class SlurmJobTrigger(BaseTrigger):
         self.stall_timeout_s = stall_timeout_s
         self.world_size = world_size
         self.end_marker_dir = end_marker_dir
+        self.recovery_log = recovery_log
+        self.log_lines = log_lines
+        self.log_tail_lines = log_tail_lines
         self._ranks_logged: str | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -92,6 +101,9 @@ class SlurmJobTrigger(BaseTrigger):
                 "stall_timeout_s": self.stall_timeout_s,
                 "world_size": self.world_size,
                 "end_marker_dir": self.end_marker_dir,
+                "recovery_log": self.recovery_log,
+                "log_lines": self.log_lines,
+                "log_tail_lines": self.log_tail_lines,
             },
         )
 
@@ -146,6 +158,8 @@ class SlurmJobTrigger(BaseTrigger):
                 if status.final(self.requeue_enabled):
                     event = status.to_event()
                     event["status"] = "success" if status.succeeded else "failed"
+                    if status.succeeded and self.recovery_log:
+                        event["handback"] = await self._handback(hook, status)
                     return event
                 if status.restarts > self.max_requeues:
                     await hook.run(["scancel", self.job_id])
@@ -163,6 +177,23 @@ class SlurmJobTrigger(BaseTrigger):
                     last_progress = time.monotonic()
                     await self._log_progress(hook)
             await self._wait(hook, watch, status)
+
+    async def _handback(self, hook: SlurmAsyncHook, status) -> dict | None:
+        """The readable tail of the job's logs and the task's recovery records, or None (the task reads them)."""
+        from hybridflow.utils.failures import parse_recovery_log
+        from hybridflow.utils.job_logs import parse_tails, readable_tail, tails_argv
+
+        paths = list(dict.fromkeys(p for p in (status.stderr_path, status.stdout_path) if p))
+        try:
+            result = await hook.run(tails_argv([*paths, self.recovery_log], self.log_lines))
+        except SlurmConnectionLost:
+            return None
+        tails = parse_tails(result.stdout)
+        if result.returncode != 0 or set(tails) != {*paths, self.recovery_log}:
+            return None
+        sources = [(path, tails[path]) for path in paths]
+        return {"log_tail": readable_tail(sources, self.log_tail_lines) if sources else "(no log found)",
+                "recovery": parse_recovery_log(tails[self.recovery_log])}
 
     async def _wait(self, hook: SlurmAsyncHook, watch, status) -> None:
         wait = watch.next_wait(status)

@@ -47,3 +47,23 @@ def readable_tail(sources: Sequence[tuple[str, str]], lines: int) -> str:
         note = f" ({dropped} line(s) of known library noise left out)" if dropped else ""
         out += [f"-- last lines of {path}{note}:", *kept[-max(budget, 1):]]
     return "\n".join(out) or "(the job's logs are empty)"
+
+
+# Starts the section of each file in the output of ``tails_argv`` (a byte no log line holds).
+_FILE_MARK = "\x1e"
+
+
+def tails_argv(paths: Sequence[str], lines: int) -> list[str]:
+    """One command printing the last ``lines`` lines of each file (a missing one prints nothing), read back with
+    :func:`parse_tails`: a job's logs and its recovery log in one round trip."""
+    script = 'n=$1; shift; for f; do printf "\\036%s\\n" "$f"; tail -n "$n" -- "$f" 2>/dev/null; done; true'
+    return ["sh", "-c", script, "tails", str(lines), *paths]
+
+
+def parse_tails(stdout: str) -> dict[str, str]:
+    """path -> its last lines, from the output of :func:`tails_argv`."""
+    tails: dict[str, str] = {}
+    for section in stdout.split(_FILE_MARK)[1:]:
+        path, _, text = section.partition("\n")
+        tails[path] = text
+    return tails

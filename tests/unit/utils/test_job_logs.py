@@ -54,3 +54,18 @@ def test_errors_lead_once_each_and_survive_a_reader_that_keeps_the_last_lines():
 
 def test_empty_logs_say_so():
     assert readable_tail([("job.err", ""), ("job.out", "\n\n")], 40) == "(the job's logs are empty)"
+
+
+def test_tails_of_several_files_come_back_in_one_command(tmp_path):
+    """A job's logs and its recovery log in one round trip: a missing file reads empty, odd names stay whole."""
+    import subprocess
+
+    from hybridflow.utils.job_logs import parse_tails, tails_argv
+
+    out, odd = tmp_path / "job-7.out", tmp_path / "a b; $(touch pwned)"
+    out.write_text("one\ntwo\nthree\n")
+    odd.write_text("x\n")
+    printed = subprocess.run(tails_argv([str(out), str(tmp_path / "missing"), str(odd)], 2), capture_output=True,
+                             text=True, check=True).stdout
+    assert parse_tails(printed) == {str(out): "two\nthree\n", str(tmp_path / "missing"): "", str(odd): "x\n"}
+    assert not (tmp_path / "pwned").exists() and parse_tails("") == {}
