@@ -34,8 +34,8 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from datetime import datetime
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from string import Template
 
