@@ -1474,6 +1474,7 @@ def cmd_up(names: list[str]) -> int:
     for svc in pending:
         wait_for(svc.name, svc.ready, svc.timeout, svc.logfile)
         log(f"{svc.name}: ready")
+    reap_orphaned_executor_workers()
     if db_started_at is not None:
         restart_airflow_that_lost_its_database([s for s in chosen if s.name in AIRFLOW_HEARTBEATS], db_started_at)
     mlflow = by_name(["mlflow"])[0]
@@ -1545,6 +1546,28 @@ def import_file_registry() -> None:
     log(f"registry import: {done.stdout.strip()}")
 
 
+def reap_orphaned_executor_workers() -> int:
+    """Kill idle LocalExecutor workers whose scheduler is gone (a SIGKILLed scheduler leaves its four behind,
+    ~170 MB each, waiting forever on a queue nobody feeds). A worker still running a task is left to finish it."""
+    reaped = 0
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        pid = int(cmdline.parent.name)
+        try:
+            idle = cmdline.read_bytes().startswith(b"airflow worker -- LocalExecutor: <idle>")
+            orphaned = idle and (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[1] == "1"
+        except OSError:
+            continue
+        if orphaned and proc_uid(pid) == pwd.getpwnam(SERVICE_USER).pw_uid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                reaped += 1
+            except ProcessLookupError:
+                pass
+    if reaped:
+        log(f"killed {reaped} idle LocalExecutor worker(s) left behind by a scheduler that died")
+    return reaped
+
+
 def child_groups(pid: int) -> set[int]:
     """Process groups led by a descendant of pid (the Triton guard runs tritonserver in a group of its own)."""
     parent_of, group_of = {}, {}
@@ -1606,6 +1629,8 @@ def cmd_down(names: list[str]) -> int:
         else:
             stop_pid(svc.name, pid)
         svc.pidfile.unlink(missing_ok=True)
+    if any(svc.name == "airflow-scheduler" for svc in chosen):
+        reap_orphaned_executor_workers()
     return 0
 
 
