@@ -248,8 +248,7 @@ def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each_through_a_control
     back_s = time.monotonic() - killed_at
     for service in control_plane:
         assert f"{service}: already up" not in brought_back, brought_back
-    assert "idle LocalExecutor worker(s) left behind" in brought_back  # the killed scheduler's, not left running
-    assert not orphaned_executor_workers()
+    assert not orphaned_executor_workers()  # the killed scheduler's idle workers are not left running
     assert wait_for_task(api, run_id, "scoring.score_batch", {"running", "success"}) == "running", (
         "scoring ended before PostgreSQL could be killed under it")
     sigkill(["postgres"])
