@@ -1,0 +1,66 @@
+"""Job efficiency from sacct text (issue 25): table-driven over outputs of the shape Slurm 22.05 prints."""
+
+from __future__ import annotations
+
+import pytest
+from hybridflow.exceptions import SlurmOutputParseError
+from hybridflow.utils.efficiency import NO_GATHERING, describe_efficiency, efficiency_argv, job_efficiency
+
+# the local stack's 2-node training job: jobacct_gather/none, so no MaxRSS and TotalCPU 0
+UNGATHERED = """\
+768|COMPLETED|2026-12-06T01:41:40|2026-12-06T01:41:41|2026-12-06T01:42:01|20|60|00:00:00|4||40000M|billing=4,cpu=4,gres/gpu=2,node=2
+768.batch|COMPLETED|2026-12-06T01:41:41|2026-12-06T01:41:41|2026-12-06T01:42:01|20||00:00:00|2|||cpu=2,gres/gpu=1,mem=0,node=1
+768.1|COMPLETED|2026-12-06T01:41:41|2026-12-06T01:41:41|2026-12-06T01:42:01|20||00:00:00|4|||cpu=4,gres/gpu=2,mem=0,node=2
+"""
+# gathered, requeued once after a node failure: the first run's 600 s are lost work
+REQUEUED = """\
+9|NODE_FAIL|2026-12-06T01:00:00|2026-12-06T01:01:00|2026-12-06T01:11:00|600|120|10:00.000|8|0|16G|cpu=8,gres/gpu=4,node=1
+9.batch|CANCELLED|2026-12-06T01:01:00|2026-12-06T01:01:00|2026-12-06T01:11:00|600||00:01.000|8|2048K||cpu=8,gres/gpu=4,node=1
+9.0|CANCELLED|2026-12-06T01:01:00|2026-12-06T01:01:00|2026-12-06T01:11:00|600||09:59.000|8|3.5G||cpu=8,gres/gpu=4,node=1
+9|COMPLETED|2026-12-06T01:11:30|2026-12-06T01:12:00|2026-12-06T01:42:00|1800|120|02:00:00|8|0|16G|cpu=8,gres/gpu=4,node=1
+9.0|COMPLETED|2026-12-06T01:12:00|2026-12-06T01:12:00|2026-12-06T01:42:00|1800||01:59:59|8|6G||cpu=8,gres/gpu=4,node=1
+"""
+
+
+@pytest.mark.parametrize(("text", "job_id", "expected"), [
+    (UNGATHERED, "768", {"runs": 1, "requeues": 0, "queue_wait_s": 1.0, "elapsed_s": 20, "time_limit_s": 3600,
+                         "time_limit_share": 0.0056, "cpu_efficiency": None, "max_rss_gib": None,
+                         "requested_mem_gib": 39.062, "gpus": 2, "gpu_hours_allocated": 0.0111,
+                         "lost_to_requeues_s": 0}),
+    (REQUEUED, "9", {"runs": 2, "requeues": 1, "queue_wait_s": 60.0, "elapsed_s": 2400, "lost_to_requeues_s": 600,
+                     "time_limit_share": 0.25, "cpu_efficiency": round((600 + 7200) / (8 * 2400), 4),
+                     "max_rss_gib": 6.0, "requested_mem_gib": 16.0, "gpus": 4,
+                     "gpu_hours_allocated": round(4 * 2400 / 3600, 4)}),
+], ids=["not-gathered", "requeued-gathered"])
+def test_job_efficiency_from_sacct(text, job_id, expected):
+    figures = job_efficiency(text, job_id)
+    assert {key: figures[key] for key in expected} == expected
+
+
+def test_what_slurm_did_not_record_is_not_measured_with_its_reason():
+    figures = job_efficiency(UNGATHERED, "768")
+    assert figures["not_measured"] == {"cpu_efficiency": NO_GATHERING, "max_rss_gib": NO_GATHERING}
+    line = describe_efficiency(figures)
+    assert line.startswith("queued 1 s, ran 20 s (1% of its limit), 0.0111 GPU-hours")
+    assert "cpu_efficiency not measured: the cluster records no per-step usage" in line
+
+
+def test_a_job_that_never_started_has_no_figures():
+    never = "5|CANCELLED|2026-12-06T01:00:00|None|2026-12-06T01:00:09|0|60|00:00:00|0||4G|\n"
+    assert job_efficiency(never, "5") == {"job_id": "5", "runs": 0, "not_measured": {"all": "the job never started"}}
+    assert describe_efficiency(job_efficiency(never, "5")) == "never started"
+
+
+@pytest.mark.parametrize("bad", [
+    "9|COMPLETED|only three",
+    "9|COMPLETED|2026-12-06T01:00:00|2026-12-06T01:01:00|x|sixty|120|00:01:00|8||16G|cpu=8",
+    "9|COMPLETED|2026-12-06T01:00:00|2026-12-06T01:01:00|x|60|120|00:01:00|8||16 gigs|cpu=8",
+], ids=["fields", "elapsed", "size"])
+def test_unreadable_sacct_output_is_an_error_quoting_it(bad):
+    with pytest.raises(SlurmOutputParseError):
+        job_efficiency(bad, "9")
+
+
+def test_the_sacct_command_lists_every_run_and_its_steps():
+    argv = efficiency_argv("42")
+    assert argv[:6] == ["sacct", "-j", "42", "-D", "-P", "-n"] and argv[-1].startswith("--format=JobID,State,")

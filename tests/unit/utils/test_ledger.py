@@ -1,0 +1,72 @@
+"""The GPU partition ledger (issue 25) from sacct and sacctmgr text: one day of a 2-node, 4-GPU partition."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+from hybridflow.exceptions import SlurmOutputParseError
+from hybridflow.utils.ledger import (
+    OUTSIDE_SUITE,
+    ledger_jobs_argv,
+    node_events_argv,
+    parse_ledger_jobs,
+    parse_node_events,
+    partition_day,
+)
+from hybridflow.utils.slurm_jobs import SlurmJobKey
+
+DAY = (datetime(2026, 12, 6), datetime(2026, 12, 7))
+NODES = {"gpu-node-01": 2, "gpu-node-02": 2}
+NIGHTLY = SlurmJobKey(dag_id="nightly_training", run_id="scheduled__2026-12-06", task_id="training.train").comment()
+RETRAIN = SlurmJobKey(dag_id="retrain", run_id="manual__x", task_id="train", retrain=1).comment()
+JOBS = "\n".join([
+    f"101|mlops|gpu|COMPLETED|2026-12-06T01:00:00|2026-12-06T03:00:00|cpu=4,gres/gpu=2,node=1|{NIGHTLY}",
+    "102|alice|gpu|COMPLETED|2026-12-05T23:00:00|2026-12-06T01:00:00|cpu=1,gres/gpu=1,node=1|",  # over midnight
+    f"103|mlops|gpu|RUNNING|2026-12-06T22:00:00|Unknown|cpu=8,gres/gpu=4,node=2|{RETRAIN}",  # still running
+    "104|bob|gpu|COMPLETED|2026-12-06T10:00:00|2026-12-06T10:30:00|cpu=1,gres/gpu=1,node=1|by hand | with a bar",
+    "105|mlops|gpu|COMPLETED|2026-12-06T11:00:00|2026-12-06T12:00:00|cpu=2,node=1|",  # no GPU
+    f"106|mlops|gpu|NODE_FAIL|2026-12-06T05:00:00|2026-12-06T05:30:00|cpu=2,gres/gpu=2,node=1|{NIGHTLY}",
+    f"106|mlops|gpu|COMPLETED|2026-12-06T06:00:00|2026-12-06T07:00:00|cpu=2,gres/gpu=2,node=1|{NIGHTLY}",
+    "107|carol|gpu|CANCELLED|None|2026-12-06T08:00:00||",  # never started
+])
+EVENTS = "\n".join([
+    "gpu-node-02|2026-12-06T12:00:00|2026-12-06T14:00:00|DOWN|Not responding",
+    "gpu-node-02|2026-12-06T13:00:00|2026-12-06T15:00:00|DRAIN|disk",  # overlaps the one before: counted once
+    "gpu-node-01|2026-12-05T22:00:00|2026-12-06T00:30:00|DRAIN|maintenance",  # from the day before
+    "|2026-12-06T09:00:00|2026-12-06T09:10:00|CLUSTER|cluster event",  # no node
+    "cpu-node-09|2026-12-06T09:00:00|Unknown|DOWN|another partition's node",
+])
+
+
+def test_one_day_of_the_partition():
+    row = partition_day("gpu", DAY, NODES, parse_ledger_jobs(JOBS), parse_node_events(EVENTS), gpu_busy={"101": 0.5})
+    assert row["gpus"] == 4
+    assert row["down_gpu_hours"] == 2 * 3 + 2 * 0.5
+    assert row["available_gpu_hours"] == 4 * 24 - 7
+    assert row["allocated_gpu_hours"] == 4 + 1 + 8 + 0.5 + 3  # 106's lost first run counts: the GPUs were held
+    assert row["utilization"] == round(16.5 / 89, 4) and row["idle_gpu_hours"] == 89 - 16.5
+    assert row["by_dag"] == {"retrain": 8.0, "nightly_training": 7.0, OUTSIDE_SUITE: 1.5}
+    assert row["by_task"]["nightly_training.training.train"] == 7.0 and row["outside_suite_gpu_hours"] == 1.5
+    assert row["by_user"] == {"mlops": 15.0, "alice": 1.0, "bob": 0.5}
+    assert row["jobs"] == 6  # runs with GPU time in the day; the CPU job and the one that never started are not
+    assert row["busy_gpu_hours"] == 2.0 and row["measured_gpu_hours"] == 4.0
+    assert row["not_measured"]["busy_gpu_hours"].startswith("12.50 of 16.50 allocated GPU-hours had no GPU samples")
+
+
+def test_an_idle_day_and_a_partition_down_all_day():
+    assert partition_day("gpu", DAY, NODES, [], [])["utilization"] == 0.0
+    all_day = parse_node_events("\n".join(f"{node}|2026-12-01T00:00:00|Unknown|DOWN|gone" for node in NODES))
+    row = partition_day("gpu", DAY, NODES, [], all_day)
+    assert row["available_gpu_hours"] == 0 and row["utilization"] is None and row["busy_gpu_hours"] is None
+
+
+@pytest.mark.parametrize("bad", ["101|mlops|gpu", "101|mlops|gpu|COMPLETED|yesterday|x|cpu=1|"])
+def test_unreadable_accounting_is_an_error(bad):
+    with pytest.raises(SlurmOutputParseError):
+        parse_ledger_jobs(bad)
+
+
+def test_the_commands_select_the_partition_and_the_day():
+    assert ledger_jobs_argv("gpu", *DAY)[1:9] == ["-a", "-X", "-D", "-P", "-n", "-r", "gpu", "-S"]
+    assert "Nodes=gpu-node-01,gpu-node-02" in node_events_argv(NODES, *DAY)
