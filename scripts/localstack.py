@@ -1301,16 +1301,20 @@ def airflow_api_ready() -> bool:
     return http_ok(f"http://127.0.0.1:{STACK['airflow_api_port']}/api/v2/monitor/health")
 
 
+def airflow_health(component: str) -> dict:
+    """The api-server's health entry of one component (status, last heartbeat); empty when it does not answer."""
+    try:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{STACK['airflow_api_port']}/api/v2/monitor/health", timeout=5
+        ) as resp:
+            return json.load(resp).get(component) or {}
+    except (OSError, ValueError):
+        return {}
+
+
 def airflow_component_ready(component: str) -> Callable[[], bool]:
     def ready() -> bool:
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{STACK['airflow_api_port']}/api/v2/monitor/health", timeout=5
-            ) as resp:
-                health = json.load(resp)
-        except (OSError, ValueError):
-            return False
-        return (health.get(component) or {}).get("status") == "healthy"
+        return airflow_health(component).get("status") == "healthy"
 
     return ready
 
@@ -1494,13 +1498,8 @@ AIRFLOW_HEARTBEATS = {"airflow-scheduler": "scheduler", "airflow-triggerer": "tr
 
 def airflow_heartbeat(component: str) -> float:
     """When the component last heartbeat (epoch seconds), per the api-server; 0 when unknown."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{STACK['airflow_api_port']}/api/v2/monitor/health",
-                                    timeout=5) as resp:
-            health = json.load(resp).get(component) or {}
-    except (OSError, ValueError):
-        return 0.0
-    beat = next((value for key, value in health.items() if key.startswith("latest_") and value), None)
+    beat = next((value for key, value in airflow_health(component).items() if key.startswith("latest_") and value),
+                None)
     try:
         return datetime.fromisoformat(beat).timestamp() if beat else 0.0
     except ValueError:
@@ -1546,10 +1545,9 @@ def import_file_registry() -> None:
     log(f"registry import: {done.stdout.strip()}")
 
 
-def reap_orphaned_executor_workers() -> int:
-    """Kill idle LocalExecutor workers whose scheduler is gone (a SIGKILLed scheduler leaves its four behind,
-    ~170 MB each, waiting forever on a queue nobody feeds). A worker still running a task is left to finish it."""
-    reaped = 0
+def orphaned_executor_workers() -> list[int]:
+    """Idle LocalExecutor workers of the service user whose scheduler is gone (reparented to PID 1)."""
+    found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         pid = int(cmdline.parent.name)
         try:
@@ -1558,11 +1556,20 @@ def reap_orphaned_executor_workers() -> int:
         except OSError:
             continue
         if orphaned and proc_uid(pid) == pwd.getpwnam(SERVICE_USER).pw_uid:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                reaped += 1
-            except ProcessLookupError:
-                pass
+            found.append(pid)
+    return found
+
+
+def reap_orphaned_executor_workers() -> int:
+    """Kill idle LocalExecutor workers whose scheduler is gone (a SIGKILLed scheduler leaves its four behind,
+    ~170 MB each, waiting forever on a queue nobody feeds). A worker still running a task is left to finish it."""
+    reaped = 0
+    for pid in orphaned_executor_workers():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            reaped += 1
+        except ProcessLookupError:
+            pass
     if reaped:
         log(f"killed {reaped} idle LocalExecutor worker(s) left behind by a scheduler that died")
     return reaped

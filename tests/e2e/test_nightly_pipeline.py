@@ -11,6 +11,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import localstack
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -75,19 +76,6 @@ def sigkill(services: list[str]) -> None:
     deadline = time.monotonic() + 30
     while any(Path(f"/proc/{pids[s]}").exists() for s in services) and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def orphaned_executor_workers() -> list[int]:
-    """Idle LocalExecutor workers whose scheduler is gone (reparented to PID 1)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if (cmdline.read_bytes().startswith(b"airflow worker -- LocalExecutor: <idle>")
-                    and (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[1] == "1"):
-                found.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return found
 
 
 def make_up() -> str:
@@ -248,7 +236,7 @@ def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each_through_a_control
     back_s = time.monotonic() - killed_at
     for service in control_plane:
         assert f"{service}: already up" not in brought_back, brought_back
-    assert not orphaned_executor_workers()  # the killed scheduler's idle workers are not left running
+    assert not localstack.orphaned_executor_workers()  # the killed scheduler's idle workers are not left running
     assert wait_for_task(api, run_id, "scoring.score_batch", {"running", "success"}) == "running", (
         "scoring ended before PostgreSQL could be killed under it")
     sigkill(["postgres"])

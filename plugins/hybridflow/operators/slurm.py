@@ -330,14 +330,11 @@ class SlurmSubmitOperator(BaseOperator):
     def _readable_log(self, status: SlurmJobStatus) -> tuple[str, str]:
         """The last lines of the job's stderr and stdout (``recovery.log_lines`` each), as searched text and as
         the tail on-call reads (the job's errors first, known library noise left out)."""
-        from hybridflow.utils.job_logs import parse_tails, readable_tail, tails_argv
+        from hybridflow.utils.job_logs import log_paths, parse_tails, readable_logs, tails_argv
 
-        paths = list(dict.fromkeys(p for p in (status.stderr_path, status.stdout_path) if p))
-        if not paths:
-            return "", "(no log found)"
-        tails = parse_tails(self.hook.run(tails_argv(paths, self._recovery_config.log_lines)).stdout)
-        sources = [(path, tails.get(path, "")) for path in paths]
-        return "\n".join(text for _, text in sources), readable_tail(sources, self.log_tail_lines)
+        paths = log_paths(status.stderr_path, status.stdout_path)
+        tails = parse_tails(self.hook.run(tails_argv(paths, self._recovery_config.log_lines)).stdout) if paths else {}
+        return readable_logs(paths, tails, self.log_tail_lines)
 
     # --- healing: the failure classes and the stall watch ---------------------------------------------------
 

@@ -181,9 +181,9 @@ class SlurmJobTrigger(BaseTrigger):
     async def _handback(self, hook: SlurmAsyncHook, status) -> dict | None:
         """The readable tail of the job's logs and the task's recovery records, or None (the task reads them)."""
         from hybridflow.utils.failures import parse_recovery_log
-        from hybridflow.utils.job_logs import parse_tails, readable_tail, tails_argv
+        from hybridflow.utils.job_logs import log_paths, parse_tails, readable_logs, tails_argv
 
-        paths = list(dict.fromkeys(p for p in (status.stderr_path, status.stdout_path) if p))
+        paths = log_paths(status.stderr_path, status.stdout_path)
         try:
             result = await hook.run(tails_argv([*paths, self.recovery_log], self.log_lines))
         except SlurmConnectionLost:
@@ -191,8 +191,7 @@ class SlurmJobTrigger(BaseTrigger):
         tails = parse_tails(result.stdout)
         if result.returncode != 0 or set(tails) != {*paths, self.recovery_log}:
             return None
-        sources = [(path, tails[path]) for path in paths]
-        return {"log_tail": readable_tail(sources, self.log_tail_lines) if sources else "(no log found)",
+        return {"log_tail": readable_logs(paths, tails, self.log_tail_lines)[1],
                 "recovery": parse_recovery_log(tails[self.recovery_log])}
 
     async def _wait(self, hook: SlurmAsyncHook, watch, status) -> None:

@@ -43,7 +43,7 @@ class _Run:
     cpus: int
     requested_mem: int | None
     gpus: int
-    steps: list[dict] = field(default_factory=list)
+    steps_max_rss: list[int | None] = field(default_factory=list)  # bytes, None where not recorded
 
 
 def _size(text: str, what: str) -> int | None:
@@ -74,7 +74,7 @@ def _runs(sacct_text: str, job_id: str) -> list[_Run]:
                 cpus=_parse_int(row["AllocCPUS"], "AllocCPUS"), requested_mem=_size(row["ReqMem"], "ReqMem"),
                 gpus=_gpus_from_tres(_parse_tres(row["AllocTRES"], line), line)))
         elif row["JobID"].startswith(f"{job_id}.") and runs:
-            runs[-1].steps.append({"max_rss": _size(row["MaxRSS"], "MaxRSS"), "step": row["JobID"]})
+            runs[-1].steps_max_rss.append(_size(row["MaxRSS"], "MaxRSS"))
     return runs
 
 
@@ -87,7 +87,7 @@ def job_efficiency(sacct_text: str, job_id: str) -> dict:
     elapsed = sum(run.elapsed_s for run in runs)
     lost = sum(run.elapsed_s for run in runs if run.state in RERUN_STATES)
     not_measured: dict[str, str] = {}
-    gathered = any(step["max_rss"] is not None for run in runs for step in run.steps)
+    gathered = any(rss is not None for run in runs for rss in run.steps_max_rss)
     cpu_seconds = sum(run.cpus * run.elapsed_s for run in runs)
     cpu_efficiency = None
     if not gathered:
@@ -96,7 +96,7 @@ def job_efficiency(sacct_text: str, job_id: str) -> dict:
         cpu_efficiency = round(sum(run.total_cpu_s for run in runs) / cpu_seconds, 4)
     else:
         not_measured["cpu_efficiency"] = "the job ran for under a second"
-    max_rss = max((step["max_rss"] or 0 for run in runs for step in run.steps), default=0) if gathered else None
+    max_rss = max((rss or 0 for run in runs for rss in run.steps_max_rss), default=0) if gathered else None
     if last.requested_mem is None:
         not_measured["requested_mem_gib"] = "the job asked for no memory (the partition's default applied)"
     if last.time_limit_s is None:

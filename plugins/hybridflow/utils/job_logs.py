@@ -60,6 +60,19 @@ def tails_argv(paths: Sequence[str], lines: int) -> list[str]:
     return ["sh", "-c", script, "tails", str(lines), *paths]
 
 
+def log_paths(*paths: str) -> list[str]:
+    """A job's log files, each once (stderr and stdout may be one file), without the unset ones."""
+    return list(dict.fromkeys(path for path in paths if path))
+
+
+def readable_logs(paths: Sequence[str], tails: dict[str, str], lines: int) -> tuple[str, str]:
+    """(the logs' last lines as searched text, the tail on-call reads) from :func:`parse_tails`'s result."""
+    if not paths:
+        return "", "(no log found)"
+    sources = [(path, tails.get(path, "")) for path in paths]
+    return "\n".join(text for _, text in sources), readable_tail(sources, lines)
+
+
 def parse_tails(stdout: str) -> dict[str, str]:
     """path -> its last lines, from the output of :func:`tails_argv`."""
     tails: dict[str, str] = {}
