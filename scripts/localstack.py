@@ -622,7 +622,10 @@ GresTypes=gpu
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStorageTRES=gres/gpu
-JobAcctGatherType=jobacct_gather/none
+# Per-step CPU time and MaxRSS for job efficiency (issue 25); linux reads /proc, so it needs no cgroups. MaxRSS
+# is sampled: a step shorter than the period has none.
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=task=2
 {nodes}
 PartitionName=cpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
 PartitionName=gpu-training Nodes={node_list} MaxTime=INFINITE State=UP

@@ -6,6 +6,7 @@ import shlex
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cached_property
 from typing import Any
 
@@ -15,6 +16,14 @@ from airflow.sdk import BaseHook
 
 from hybridflow.exceptions import SlurmConnectionError, SlurmConnectionLost, SlurmSubmitError
 from hybridflow.utils.capacity import CapacityVerdict, capacity_sinfo_argv, capacity_squeue_argv, capacity_verdict
+from hybridflow.utils.efficiency import accounting_settled, efficiency_argv, job_efficiency
+from hybridflow.utils.ledger import (
+    ledger_jobs_argv,
+    node_events_argv,
+    parse_ledger_jobs,
+    parse_node_events,
+    partition_day,
+)
 from hybridflow.utils.reconcile import (
     CLUSTER_CLOCK_ARGV,
     JobListing,
@@ -204,6 +213,32 @@ class SlurmHook(BaseHook):
         pending = self.run(capacity_squeue_argv(partition))
         return capacity_verdict(partition, parse_sinfo_gpus(sinfo.stdout), parse_squeue(pending.stdout),
                                 gpus_per_node, nodes, exclude)
+
+    def efficiency(self, job_id: str, settle_s: float = 10) -> dict:
+        """The ended job's efficiency from accounting (:func:`job_efficiency`). slurmctld sends slurmdbd a job's
+        end a moment after it ends: a record without it is read again, for up to ``settle_s``."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            text = self._checked(efficiency_argv(job_id), "sacct")
+            if accounting_settled(text, job_id) or time.monotonic() >= deadline:
+                return job_efficiency(text, job_id)
+            time.sleep(1)
+
+    def ledger_day(self, partition: str, window: tuple[datetime, datetime]) -> dict:
+        """The partition's ledger row for ``window`` (:func:`partition_day`; times in the cluster's local time, as
+        sacct reads them), over the nodes the partition has now."""
+        nodes = parse_sinfo_gpus(self._checked(capacity_sinfo_argv(partition), "sinfo"))
+        node_gpus = {node.name: node.gpus_total for node in nodes}
+        jobs = parse_ledger_jobs(self._checked(ledger_jobs_argv(partition, *window), "sacct"))
+        events = parse_node_events(self._checked(node_events_argv(node_gpus, *window), "sacctmgr")) if nodes else []
+        return partition_day(partition, window, node_gpus, jobs, events)
+
+    def _checked(self, argv: Sequence[str], what: str) -> str:
+        result = self.run(argv)
+        if result.returncode != 0:
+            raise SlurmConnectionError(f"{what} on {self.endpoint} failed (exit {result.returncode}): "
+                                       f"{result.stderr.strip()[:500]}")
+        return result.stdout
 
     def wait_for_file(self, path: str, window_s: float) -> bool:
         """Whether ``path`` exists now or appears within ``window_s`` (one command waiting on the login node)."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 
 from hybridflow.config import ClusterConfig, RecoveryConfig
-from hybridflow.exceptions import SlurmConnectionError, SlurmJobFailed
+from hybridflow.exceptions import SlurmConnectionError, SlurmJobFailed, SlurmOutputParseError
 from hybridflow.ui import SlurmJobLink
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from hybridflow.utils.slurm_jobs import SlurmJobKey, SlurmJobStatus
 
 XCOM_JOB_ID = "slurm_job_id"
+XCOM_EFFICIENCY = "efficiency"  # the ended job's figures from Slurm's accounting (utils/efficiency.py)
 DEFAULT_RUNBOOK = "include/runbooks/training.md"
 
 
@@ -297,7 +298,8 @@ class SlurmSubmitOperator(BaseOperator):
             tail = handback["log_tail"] if handback else self._readable_log(status)[1]
             self.log.info("Slurm job %s COMPLETED in %.0f s (TRES %s); its log:\n%s", status.job_id,
                           status.elapsed_s or 0, dict(status.alloc_tres), tail)
-            return {**status.to_event(), "recovery": handback["recovery"] if handback else self._recovery_records()}
+            return {**status.to_event(), "recovery": handback["recovery"] if handback else self._recovery_records(),
+                    "efficiency": self._efficiency(status)}
         from airflow.sdk.exceptions import AirflowFailException
 
         from hybridflow.utils.failures import classify
@@ -321,11 +323,26 @@ class SlurmSubmitOperator(BaseOperator):
             if why_not is None:
                 return self._follow()
             ended += f" Not resubmitted: {why_not}."
+        self._efficiency(status)
         text = (f"{ended} {message}\nLast lines of {err_path or 'its log'}:\n{tail}\n"
                 f"Runbook: include/runbooks/{verdict.runbook}")
         if verdict.action == "fail":
             raise AirflowFailException(text)
         raise SlurmJobFailed(text)
+
+    def _efficiency(self, status: SlurmJobStatus) -> dict:
+        """The ended job's efficiency from Slurm's accounting, logged and in the XCom ``efficiency``. A report, never
+        the task's outcome: accounting that cannot be read makes every figure not measured, saying why."""
+        from hybridflow.utils.efficiency import describe_efficiency
+
+        try:
+            figures = self.hook.efficiency(status.job_id)
+        except (SlurmConnectionError, SlurmOutputParseError, OSError) as error:
+            figures = {"job_id": status.job_id, "not_measured": {"all": f"Slurm accounting was not read: {error}"}}
+        self.log.info("Slurm job %s efficiency: %s", status.job_id, describe_efficiency(figures))
+        if self._context is not None:
+            self._context["ti"].xcom_push(key=XCOM_EFFICIENCY, value=figures)
+        return figures
 
     def _readable_log(self, status: SlurmJobStatus) -> tuple[str, str]:
         """The last lines of the job's stderr and stdout (``recovery.log_lines`` each), as searched text and as

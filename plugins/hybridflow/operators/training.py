@@ -290,7 +290,8 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         finally:
             self.hook.remove(f"{self.run_dir}/{tracking.CREDENTIALS_FILE}")
 
-    def _log_to_mlflow(self, status: SlurmJobStatus, metrics: Mapping[str, Any], gpu_hours: float | None):
+    def _log_to_mlflow(self, status: SlurmJobStatus, metrics: Mapping[str, Any], gpu_hours: float | None,
+                       efficiency: Mapping[str, Any] | None = None):
         """After a COMPLETED job: what the run lacks (steps the job could not log live), final figures, tags,
         artifacts; the run FINISHED. Returns the run's id and address for the XCom, or None when tracking is off.
         Raises MlflowUnavailable (the task fails; its retry reattaches to the finished job and logs again)."""
@@ -309,7 +310,8 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         logged_now, written = self._log_step_metrics(mlflow, run_id)
         step = metrics.get("step") or 0
         final = [{"key": key, "value": value, "timestamp": int(time.time() * 1000), "step": step}
-                 for key, value in tracking.final_metrics(metrics, gpu_hours=gpu_hours).items()]
+                 for key, value in tracking.final_metrics(metrics, gpu_hours=gpu_hours,
+                                                                          efficiency=efficiency).items()]
         already = tracking.records_to_log(final, mlflow.logged_steps(run_id, {r["key"] for r in final}))
         mlflow.log_batch(run_id, metrics=already,
                          tags=tracking.finish_tags(metrics, slurm_job_id=status.job_id, partition=self.partition)
@@ -347,7 +349,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         report = utilization_report(gpus, status.elapsed_s, metrics.get("gpu"), self.min_gpu_utilization_pct,
                                     side=self.placement_side)
         # the run is the record of what was trained, also when the utilization gate then fails the task
-        tracked = self._log_to_mlflow(status, metrics, report.gpu_hours)
+        tracked = self._log_to_mlflow(status, metrics, report.gpu_hours, result.get("efficiency"))
         if report.verdict == "low" and self.fail_on_low_utilization:
             raise GateFailed(report.message)
         (self.log.warning if report.verdict != "ok" else self.log.info)("GPU utilization: %s", report.message)

@@ -139,6 +139,7 @@ def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any
         "gpu_hours": utilization.get("gpu_hours"),
         "mean_gpu_utilization_pct": utilization.get("mean_utilization_pct"),
         "restarts": summary.get("restarts"),
+        "efficiency": result.get("efficiency"),  # from Slurm's accounting (utils/efficiency.py)
         "healing": healing_text(result.get("recovery")),
         "train_rows_processed": summary.get("train_rows_processed"),
         "auc": summary.get("auc"),

@@ -122,6 +122,15 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
         ("gpu_utilization_per_gpu", "gpu_utilization_per_gpu", "Utilization per GPU (the job's own)", "text", None),
         ("utilization_verdict", "utilization_verdict", "GPU utilization verdict", "text", None),
         ("restarts", "restarts", "Restarts (requeues)", "count", None),
+        ("queue_wait_s", "efficiency.queue_wait_s", "Queue wait (submit to start)", "number", "s"),
+        ("time_limit_share", "efficiency.time_limit_share", "Share of the time limit used", "number", "ratio"),
+        ("cpu_efficiency", "efficiency.cpu_efficiency", "CPU efficiency (TotalCPU / CPUs x elapsed)", "number",
+         "ratio"),
+        ("max_rss_gib", "efficiency.max_rss_gib", "Max RSS of a step", "number", "GiB"),
+        ("requested_mem_gib", "efficiency.requested_mem_gib", "Memory requested", "number", "GiB"),
+        ("gpu_hours_allocated", "efficiency.gpu_hours_allocated", "GPU-hours allocated (Slurm accounting)",
+         "number", "GPU-h"),
+        ("lost_to_requeues_s", "efficiency.lost_to_requeues_s", "Time lost to requeues", "number", "s"),
         ("healing", "healing", "Healing (stalls, failure classes, excluded nodes)", "text", None),
         ("train_rows_processed", "train_rows_processed", "Training rows processed", "count", "rows"),
         ("step", "step", "Last step", "count", None),
@@ -303,6 +312,8 @@ def build_section(name: str, figures: Any) -> dict:
             out[field.name] = measured(value, field.unit)
         elif field.path in NOT_MEASURED_WHEN_NONE.get(name, {}) and _is_explicit_none(figures, field.path):
             out[field.name] = not_measured(NOT_MEASURED_WHEN_NONE[name][field.path])
+        elif isinstance(reason := _lookup(figures, (*field.path[:-1], "not_measured", field.path[-1])), str):
+            out[field.name] = not_measured(_truncate(reason))  # the stage said why (e.g. job efficiency)
         else:
             out[field.name] = not_measured(f"{name}.{'.'.join(field.path)} {why}")
     section = {"ran": True, "figures": out}

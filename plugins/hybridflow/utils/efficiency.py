@@ -22,8 +22,11 @@ EFFICIENCY_FORMAT = "JobID,State,Submit,Start,End,ElapsedRaw,TimelimitRaw,TotalC
 _FIELDS = EFFICIENCY_FORMAT.split(",")
 # How a run ended when the job ran again afterwards: its time is lost work (up to its last checkpoint).
 RERUN_STATES = frozenset({"REQUEUED", "NODE_FAIL", "PREEMPTED"})
+UNSETTLED_STATES = frozenset({"PENDING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED"})
 NO_GATHERING = ("the cluster records no per-step usage (JobAcctGatherType=jobacct_gather/none); set "
                 "jobacct_gather/linux or cgroup in slurm.conf")
+NO_MEMORY_SAMPLE = ("no memory sample: the job's steps ended before Slurm's first usage sample "
+                    "(JobAcctGatherFrequency in slurm.conf)")
 _SIZE_RE = re.compile(r"(?P<number>\d+(?:\.\d+)?)(?P<unit>[KMGTP]?)[nc]?")
 _UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 
@@ -78,6 +81,15 @@ def _runs(sacct_text: str, job_id: str) -> list[_Run]:
     return runs
 
 
+def accounting_settled(sacct_text: str, job_id: str) -> bool:
+    """Whether accounting holds the job's end: its last run has an end time and a final state."""
+    lines = [line.split("|") for line in sacct_text.splitlines() if line.split("|", 1)[0] == job_id]
+    if not lines or len(lines[-1]) != len(_FIELDS):
+        return False
+    last = dict(zip(_FIELDS, lines[-1], strict=True))
+    return last["End"] not in ("", "Unknown", "None") and last["State"].split(" ")[0] not in UNSETTLED_STATES
+
+
 def job_efficiency(sacct_text: str, job_id: str) -> dict:
     """The efficiency figures of job ``job_id`` from ``sacct`` (:func:`efficiency_argv`) after it ended."""
     runs = [run for run in _runs(sacct_text, job_id) if run.start is not None]
@@ -87,16 +99,20 @@ def job_efficiency(sacct_text: str, job_id: str) -> dict:
     elapsed = sum(run.elapsed_s for run in runs)
     lost = sum(run.elapsed_s for run in runs if run.state in RERUN_STATES)
     not_measured: dict[str, str] = {}
-    gathered = any(rss is not None for run in runs for rss in run.steps_max_rss)
+    sampled = any(rss is not None for run in runs for rss in run.steps_max_rss)
+    cpu_used = sum(run.total_cpu_s for run in runs)
     cpu_seconds = sum(run.cpus * run.elapsed_s for run in runs)
     cpu_efficiency = None
-    if not gathered:
+    if not sampled and not cpu_used:
         not_measured["cpu_efficiency"] = not_measured["max_rss_gib"] = NO_GATHERING
-    elif cpu_seconds:
-        cpu_efficiency = round(sum(run.total_cpu_s for run in runs) / cpu_seconds, 4)
     else:
-        not_measured["cpu_efficiency"] = "the job ran for under a second"
-    max_rss = max((rss or 0 for run in runs for rss in run.steps_max_rss), default=0) if gathered else None
+        if cpu_seconds:
+            cpu_efficiency = round(cpu_used / cpu_seconds, 4)
+        else:
+            not_measured["cpu_efficiency"] = "the job ran for under a second"
+        if not sampled:
+            not_measured["max_rss_gib"] = NO_MEMORY_SAMPLE
+    max_rss = max((rss or 0 for run in runs for rss in run.steps_max_rss), default=0) if sampled else None
     if last.requested_mem is None:
         not_measured["requested_mem_gib"] = "the job asked for no memory (the partition's default applied)"
     if last.time_limit_s is None:
@@ -124,7 +140,7 @@ def job_efficiency(sacct_text: str, job_id: str) -> dict:
 def describe_efficiency(figures: Mapping) -> str:
     """One line for the task log: ``queued 3 s, ran 20 s (6% of its limit), CPU 41%, ...``."""
     if not figures.get("runs"):
-        return "never started"
+        return figures.get("not_measured", {}).get("all", "never started")
     parts = [f"queued {figures['queue_wait_s']:.0f} s" if figures.get("queue_wait_s") is not None else None,
              f"ran {figures['elapsed_s']} s" + (f" ({figures['time_limit_share']:.0%} of its limit)"
                                                 if figures.get("time_limit_share") is not None else ""),

@@ -10,22 +10,26 @@ one day (the window ``[start, end)``):
 - utilization = allocated / available, idle = available - allocated;
 - the allocated hours split by DAG and by task (the job comment's key, :class:`SlurmJobKey`), by user, and the
   hours of jobs that are not the suite's;
-- measured busy GPU-hours where a job's GPU samples exist (its mean utilization x its hours), else not measured.
+- measured busy GPU-hours where a job's GPU samples exist (its mean utilization x its hours), else not measured;
+- the queue wait (submit -> start) p50/p95 of the GPU runs that started in the window, and the CPU efficiency of the
+  GPU jobs that ended in it (TotalCPU / (AllocCPUS x Elapsed); not measured where the cluster gathers no usage).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
 from hybridflow.exceptions import SlurmOutputParseError
-from hybridflow.utils.slurm import _gpus_from_tres, _parse_timestamp, _parse_tres
+from hybridflow.utils.efficiency import NO_GATHERING
+from hybridflow.utils.slurm import _gpus_from_tres, _parse_duration, _parse_int, _parse_timestamp, _parse_tres
 from hybridflow.utils.slurm_jobs import SlurmJobKey
 
 # sacct -a -X -D -P -n -r <partition> -S <start> -E <end> --format=<LEDGER_JOBS_FORMAT>
-LEDGER_JOBS_FORMAT = "JobID,User,Partition,State,Start,End,AllocTRES,Comment"
+LEDGER_JOBS_FORMAT = "JobID,User,Partition,State,Submit,Start,End,ElapsedRaw,TotalCPU,AllocCPUS,AllocTRES,Comment"
 # sacctmgr -P -n show event Start=<start> End=<end> Nodes=<nodes> format=<NODE_EVENTS_FORMAT>
 NODE_EVENTS_FORMAT = "NodeName,TimeStart,TimeEnd,State,Reason"
 OUTSIDE_SUITE = "(not the suite's)"
@@ -49,6 +53,10 @@ class LedgerJob:
     start: datetime
     end: datetime | None  # None: still running
     key: SlurmJobKey | None
+    submit: datetime | None = None
+    elapsed_s: int = 0
+    total_cpu_s: float = 0.0
+    cpus: int = 0
 
 
 def parse_ledger_jobs(stdout: str) -> list[LedgerJob]:
@@ -58,12 +66,15 @@ def parse_ledger_jobs(stdout: str) -> list[LedgerJob]:
         fields = line.split("|", len(LEDGER_JOBS_FORMAT.split(",")) - 1)
         if len(fields) != len(LEDGER_JOBS_FORMAT.split(",")):
             raise SlurmOutputParseError(f"expected the fields {LEDGER_JOBS_FORMAT}: {line!r}")
-        job_id, user, _partition, _state, start, end, tres, comment = fields
+        job_id, user, _partition, _state, submit, start, end, elapsed, total_cpu, cpus, tres, comment = fields
         started = _parse_timestamp(start)
         if started is None:
             continue
-        jobs.append(LedgerJob(job_id=job_id, user=user, gpus=_gpus_from_tres(_parse_tres(tres, line), line),
-                              start=started, end=_parse_timestamp(end), key=SlurmJobKey.from_comment(comment)))
+        jobs.append(LedgerJob(
+            job_id=job_id, user=user, gpus=_gpus_from_tres(_parse_tres(tres, line), line), start=started,
+            end=_parse_timestamp(end), key=SlurmJobKey.from_comment(comment), submit=_parse_timestamp(submit),
+            elapsed_s=_parse_int(elapsed, "ElapsedRaw"),
+            total_cpu_s=_parse_duration(total_cpu) if total_cpu.strip() else 0.0, cpus=_parse_int(cpus, "AllocCPUS")))
     return jobs
 
 
@@ -98,6 +109,14 @@ def _down_seconds(events: list[tuple[datetime, datetime | None]], window: tuple[
     return total
 
 
+def _percentile(values: list[float], share: float) -> float | None:
+    """The nearest-rank percentile (a value that occurred, never interpolated); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(math.ceil(share * len(ordered)) - 1, 0)]
+
+
 def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: Mapping[str, int],
                   jobs: Iterable[LedgerJob], node_events: Iterable[tuple[str, datetime, datetime | None]],
                   gpu_busy: Mapping[str, float] | None = None) -> dict:
@@ -114,10 +133,17 @@ def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: 
     by_task: dict[str, float] = defaultdict(float)
     by_user: dict[str, float] = defaultdict(float)
     allocated, busy, measured, counted = 0.0, 0.0, 0.0, 0
+    waits: list[float] = []
+    cpu_used, cpu_held = 0.0, 0.0
     for job in jobs:
         gpu_hours = job.gpus * _overlap(job.start, job.end, window) / 3600
         if gpu_hours <= 0:
             continue
+        if job.submit is not None and window[0] <= job.start < window[1]:
+            waits.append(max((job.start - job.submit).total_seconds(), 0.0))
+        if job.end is not None and window[0] <= job.end < window[1]:
+            cpu_used += job.total_cpu_s
+            cpu_held += job.cpus * job.elapsed_s
         counted += 1
         allocated += gpu_hours
         by_user[job.user] += gpu_hours
@@ -128,6 +154,11 @@ def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: 
             busy += gpu_busy[job.job_id] * gpu_hours
             measured += gpu_hours
     not_measured = {}
+    cpu_efficiency = round(cpu_used / cpu_held, 4) if cpu_used > 0 and cpu_held > 0 else None
+    if cpu_efficiency is None:
+        not_measured["cpu_efficiency"] = NO_GATHERING if cpu_held > 0 else "no GPU job ended in the window"
+    if not waits:
+        not_measured["queue_wait"] = "no GPU job started in the window"
     if measured < allocated:
         not_measured["busy_gpu_hours"] = (f"{allocated - measured:.2f} of {allocated:.2f} allocated GPU-hours had no "
                                           "GPU samples (no nvidia-smi where they ran)")
@@ -147,6 +178,9 @@ def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: 
         "busy_gpu_hours": round(busy, 4) if measured else None,
         "measured_gpu_hours": round(measured, 4),
         "jobs": counted,
+        "queue_wait_p50_s": _percentile(waits, 0.50),
+        "queue_wait_p95_s": _percentile(waits, 0.95),
+        "cpu_efficiency": cpu_efficiency,
         "by_dag": rounded(by_dag), "by_task": rounded(by_task), "by_user": rounded(by_user),
         "outside_suite_gpu_hours": round(by_dag.get(OUTSIDE_SUITE, 0.0), 4),
         "not_measured": not_measured,

@@ -145,8 +145,17 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def final_metrics(metrics: Mapping[str, Any], *, gpu_hours: float | None = None) -> dict[str, float]:
-    """The job's summary figures from ``metrics.json`` (those that exist: a figure not measured is absent)."""
+# The job's efficiency from Slurm's accounting (utils/efficiency.py) -> its MLflow metric
+EFFICIENCY_METRICS = {"queue_wait_s": "slurm_queue_wait_s", "time_limit_share": "slurm_time_limit_share",
+                      "cpu_efficiency": "slurm_cpu_efficiency", "max_rss_gib": "slurm_max_rss_gib",
+                      "gpu_hours_allocated": "slurm_gpu_hours_allocated",
+                      "lost_to_requeues_s": "slurm_lost_to_requeues_s"}
+
+
+def final_metrics(metrics: Mapping[str, Any], *, gpu_hours: float | None = None,
+                  efficiency: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """The job's summary figures from ``metrics.json`` and Slurm's accounting (those that exist: a figure not
+    measured is absent)."""
     holdout = metrics.get("holdout") or {}
     allreduce = metrics.get("allreduce") or {}
     figures = {
@@ -159,6 +168,7 @@ def final_metrics(metrics: Mapping[str, Any], *, gpu_hours: float | None = None)
         "allreduce_share": allreduce.get("share"),
         "mean_gpu_utilization_pct": metrics.get("mean_gpu_utilization_pct"),
         "gpu_hours": gpu_hours,
+        **{metric: (efficiency or {}).get(figure) for figure, metric in EFFICIENCY_METRICS.items()},
     }
     return {key: number for key, value in figures.items() if (number := _number(value)) is not None}
 

@@ -44,6 +44,9 @@ class FakeHook:
     def tail(self, path: str, lines: int = 50) -> str:
         return ""
 
+    def efficiency(self, job_id: str) -> dict:
+        return {"job_id": job_id, "runs": 1, "requeues": 0, "queue_wait_s": 2.0, "elapsed_s": 1800}
+
 
 @pytest.mark.parametrize("partition, gpus, tres, verdict, gpu_hours, fragment", [
     ("cpu", 0, {"cpu": "4", "node": "1"}, "no_gpu", 0.0, "no GPU allocated (cpu placement)"),
@@ -59,3 +62,4 @@ def test_training_result_by_placement(partition, gpus, tres, verdict, gpu_hours,
     assert (result["partition"], result["placement_side"]) == (partition, "cpu" if gpus == 0 else "gpu")
     assert result["utilization"]["verdict"] == verdict and result["utilization"]["gpu_hours"] == gpu_hours
     assert fragment in result["utilization"]["message"]
+    assert result["efficiency"]["job_id"] == "7" and result["efficiency"]["queue_wait_s"] == 2.0

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 from hybridflow.exceptions import SlurmOutputParseError
-from hybridflow.utils.efficiency import NO_GATHERING, describe_efficiency, efficiency_argv, job_efficiency
+from hybridflow.utils.efficiency import (
+    NO_GATHERING,
+    NO_MEMORY_SAMPLE,
+    accounting_settled,
+    describe_efficiency,
+    efficiency_argv,
+    job_efficiency,
+)
 
 # the local stack's 2-node training job: jobacct_gather/none, so no MaxRSS and TotalCPU 0
 UNGATHERED = """\
@@ -20,6 +27,11 @@ REQUEUED = """\
 9|COMPLETED|2026-12-06T01:11:30|2026-12-06T01:12:00|2026-12-06T01:42:00|1800|120|02:00:00|8|0|16G|cpu=8,gres/gpu=4,node=1
 9.0|COMPLETED|2026-12-06T01:12:00|2026-12-06T01:12:00|2026-12-06T01:42:00|1800||01:59:59|8|6G||cpu=8,gres/gpu=4,node=1
 """
+# jobacct_gather/linux, a 3-s job: CPU time recorded, but the step ended before the first MaxRSS sample
+SHORT = """\
+973|COMPLETED|2026-12-06T04:53:17|2026-12-06T04:53:18|2026-12-06T04:53:21|3|5|00:03.074|1||100M|billing=1,cpu=1,gres/gpu=1,node=1
+973.batch|COMPLETED|2026-12-06T04:53:18|2026-12-06T04:53:18|2026-12-06T04:53:21|3||00:03.074|1|||cpu=1,gres/gpu=1,mem=0,node=1
+"""
 
 
 @pytest.mark.parametrize(("text", "job_id", "expected"), [
@@ -31,7 +43,9 @@ REQUEUED = """\
                      "time_limit_share": 0.25, "cpu_efficiency": round((600 + 7200) / (8 * 2400), 4),
                      "max_rss_gib": 6.0, "requested_mem_gib": 16.0, "gpus": 4,
                      "gpu_hours_allocated": round(4 * 2400 / 3600, 4)}),
-], ids=["not-gathered", "requeued-gathered"])
+    (SHORT, "973", {"runs": 1, "queue_wait_s": 1.0, "time_limit_share": 0.01, "cpu_efficiency": 1.0247,
+                    "max_rss_gib": None, "not_measured": {"max_rss_gib": NO_MEMORY_SAMPLE}}),
+], ids=["not-gathered", "requeued-gathered", "short-no-memory-sample"])
 def test_job_efficiency_from_sacct(text, job_id, expected):
     figures = job_efficiency(text, job_id)
     assert {key: figures[key] for key in expected} == expected
@@ -48,7 +62,7 @@ def test_what_slurm_did_not_record_is_not_measured_with_its_reason():
 def test_a_job_that_never_started_has_no_figures():
     never = "5|CANCELLED|2026-12-06T01:00:00|None|2026-12-06T01:00:09|0|60|00:00:00|0||4G|\n"
     assert job_efficiency(never, "5") == {"job_id": "5", "runs": 0, "not_measured": {"all": "the job never started"}}
-    assert describe_efficiency(job_efficiency(never, "5")) == "never started"
+    assert describe_efficiency(job_efficiency(never, "5")) == "the job never started"
 
 
 @pytest.mark.parametrize("bad", [
@@ -64,3 +78,18 @@ def test_unreadable_sacct_output_is_an_error_quoting_it(bad):
 def test_the_sacct_command_lists_every_run_and_its_steps():
     argv = efficiency_argv("42")
     assert argv[:6] == ["sacct", "-j", "42", "-D", "-P", "-n"] and argv[-1].startswith("--format=JobID,State,")
+
+
+@pytest.mark.parametrize(("text", "settled"), [
+    (SHORT, True),
+    (REQUEUED, True),
+    ("", False),  # accounting has not heard of it yet
+    ("973|RUNNING|2026-12-06T04:53:17|2026-12-06T04:53:18|Unknown|3|5|00:00:00|1||100M|cpu=1,node=1\n", False),
+    ("973|COMPLETING|2026-12-06T04:53:17|2026-12-06T04:53:18|2026-12-06T04:53:21|3|5|00:00:00|1||100M|cpu=1\n",
+     False),
+    ("9|NODE_FAIL|2026-12-06T01:00:00|2026-12-06T01:01:00|2026-12-06T01:11:00|600|120|10:00.000|8|0|16G|cpu=8\n"
+     "9|REQUEUED|2026-12-06T01:11:30|Unknown|Unknown|0|120|00:00:00|8|0|16G|cpu=8\n", False),  # it runs again
+])
+def test_accounting_is_settled_once_the_last_run_has_its_end(text, settled):
+    job_id = text.split("|", 1)[0] or "973"
+    assert accounting_settled(text, job_id) is settled

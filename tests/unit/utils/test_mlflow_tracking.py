@@ -86,6 +86,14 @@ def test_final_metrics_keep_the_figures_that_exist():
     assert final_metrics({}) == {}
 
 
+def test_final_metrics_carry_the_job_efficiency_that_slurm_measured():
+    efficiency = {"queue_wait_s": 1.0, "time_limit_share": 0.05, "cpu_efficiency": None, "max_rss_gib": 0.5,
+                  "gpu_hours_allocated": 0.0111, "lost_to_requeues_s": 0, "not_measured": {"cpu_efficiency": "why"}}
+    assert final_metrics({}, efficiency=efficiency) == {
+        "slurm_queue_wait_s": 1.0, "slurm_time_limit_share": 0.05, "slurm_max_rss_gib": 0.5,
+        "slurm_gpu_hours_allocated": 0.0111, "slurm_lost_to_requeues_s": 0.0}
+
+
 def test_finish_tags_name_the_job_its_nodes_code_and_data():
     ranks = [{"rank": 0, "node": "gpu-node-02"}, {"rank": 1, "node": "gpu-node-01"}, {"rank": 2, "node": "gpu-node-01"}]
     metrics = {"deepspeed": {"nodes": 2, "ranks": ranks, "precision": "fp32", "device": "cpu"},
