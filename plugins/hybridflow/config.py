@@ -381,6 +381,28 @@ class ReconcilerConfig:
             raise ConfigError(f"{where}.grace_s: {self.grace_s}; expected seconds from 0 to {MAX_GRACE_S}")
 
 
+@dataclass(frozen=True)
+class UtilizationConfig:
+    """The GPU partition ledger (dags/cluster_utilization.py): which partitions, when it runs, the utilization the
+    platform aims at, and after how many days under it on-call hears. Days are the cluster's calendar days (sacct
+    reads times in the login node's local time)."""
+
+    partitions: tuple[str, ...] = ("gpu-training",)
+    schedule: str = "30 0 * * *"
+    target: float = 0.6  # allocated / available GPU-hours
+    alert_days: int = 3
+
+    def validate(self, where: str) -> None:
+        if not self.partitions:
+            raise ConfigError(f"{where}.partitions: empty; expected at least one Slurm partition")
+        for index, partition in enumerate(self.partitions):
+            check_text(partition, f"{where}.partitions[{index}]", SLURM_PARTITION)
+        check_text(self.schedule, f"{where}.schedule")
+        if not 0 < check_number(self.target, f"{where}.target", 0) <= 1:
+            raise ConfigError(f"{where}.target: {self.target}; expected a share of available GPU-hours in (0, 1]")
+        check_integer(self.alert_days, f"{where}.alert_days", 1)
+
+
 def _positive_or_null(value: float | None, where: str, what: str) -> None:
     """A measured figure: a positive finite number, or None (not measured)."""
     if value is not None and (not math.isfinite(value) or value <= 0):
@@ -472,6 +494,7 @@ class PipelineConfig:
     alerts: AlertsConfig
     reconciler: ReconcilerConfig
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    utilization: UtilizationConfig = field(default_factory=UtilizationConfig)
     # absent: no figures, so every run keeps the GPU (what the suite did before placement existed)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 

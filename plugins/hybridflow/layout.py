@@ -86,6 +86,10 @@ class StorageLayout:
         """The earlier file registry, imported into MLflow once (``python -m hybridflow.pipeline.registry``)."""
         return self._under("models", name, "registry.json")
 
+    # The GPU partition ledger (pipeline/utilization.py): one JSON row per partition and day.
+    def utilization_day(self, partition: str, day: str) -> str:
+        return self._under("utilization", safe_segment(partition), f"day={day}.json")
+
     @property
     def alerts_file(self) -> str:
         """The local alert sink (notifiers/oncall.py) when HYBRIDFLOW_ALERTS_FILE does not name another."""

@@ -193,4 +193,21 @@ def create_app():
             raise HTTPException(400, "job_id must be a Slurm job id such as 1234 or 1234_5")
         return HTMLResponse(f"<!doctype html><html><body>{slurm_job_page(job_id)}</body></html>")
 
+    @app.get("/utilization", response_class=HTMLResponse, dependencies=[Depends(requires_authenticated())])
+    def utilization():
+        return HTMLResponse(utilization_page())
+
     return app
+
+
+def utilization_page() -> str:
+    """The GPU partition ledger's last 30 days, each configured partition (pipeline/utilization.py)."""
+    from datetime import date
+
+    from hybridflow.config import pipeline_config
+    from hybridflow.pipeline.utilization import page_html, read_days
+
+    config = pipeline_config()
+    today, target = date.today(), config.utilization
+    return page_html({partition: read_days(config.storage.layout, partition, today)
+                      for partition in target.partitions}, target.target, target.alert_days)

@@ -64,9 +64,11 @@ RUNBOOKS: dict[str, str] = {
     "oncall_training_job": "include/runbooks/oncall.md",
     "platform_healthcheck": "include/runbooks/platform-healthcheck.md",
     "slurm_reconciler": "include/runbooks/slurm-reconciler.md",
+    "cluster_utilization": "include/runbooks/utilization.md",
 }
 FAILURE, ACTION, LATE, STALL, UNHEALTHY_NODE = "failure", "action", "late", "stall", "unhealthy_node"
-ALERT_KINDS = (FAILURE, ACTION, LATE, STALL, UNHEALTHY_NODE)
+LOW_UTILIZATION = "low_utilization"  # a GPU partition under its utilization target for days (cluster_utilization)
+ALERT_KINDS = (FAILURE, ACTION, LATE, STALL, UNHEALTHY_NODE, LOW_UTILIZATION)
 
 REDACTED = "[REDACTED]"
 _SECRET_KEY_NAME = (r"[\w.-]*?(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key)"
