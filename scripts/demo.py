@@ -188,6 +188,10 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
                      f"[{', '.join(metrics.get('ranks') or [])}], ZeRO-{metrics.get('zero_stage')}; all-reduce share "
                      f"in the job {metrics.get('allreduce_share_in_job')}")
         lines.append(f"checkpoint: {train.get('run_dir')}/checkpoints (newest complete: step {metrics.get('step')})")
+        if train.get("efficiency"):
+            from hybridflow.utils.efficiency import describe_efficiency
+
+            lines.append(f"job efficiency (Slurm accounting): {describe_efficiency(train['efficiency'])}")
         if (train.get("mlflow") or {}).get("url"):
             lines.append(f"MLflow run: {train['mlflow']['url']}")
     decision = get("evaluation.champion_challenger")
@@ -217,6 +221,25 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
     report = get("report.write_report")
     if report:
         lines.append(f"report: {report.get('html') or report}")
+    return lines
+
+
+def ledger_lines(api: AirflowApi, storage_root: str, timeout_s: float) -> list[str]:
+    """Today's GPU partition ledger so far (the cluster_utilization DAG), with the nightly run's jobs in it."""
+    today = date.today().isoformat()
+    run_id, state = run_dag(api, "cluster_utilization", {"start_day": today}, timeout_s)
+    if state != "success":
+        return [f"ledger: cluster_utilization {state} (runbook: include/runbooks/utilization.md)"]
+    lines = []
+    for item in xcom(api, "cluster_utilization", run_id, "ledger") or []:
+        row = json.loads(Path(item["path"]).read_text())
+        utilization = row["utilization"]
+        top = ", ".join(f"{dag} {hours:.3f}" for dag, hours in list(row["by_dag"].items())[:3]) or "none"
+        lines.append(f"ledger {row['partition']} {row['day']} so far: "
+                     f"{'not measured' if utilization is None else f'{utilization:.1%}'} of "
+                     f"{row['available_gpu_hours']:.1f} available GPU-hours allocated "
+                     f"({row['allocated_gpu_hours']:.3f}, {row['jobs']} jobs; by DAG: {top}); page: "
+                     f"{api.base_url}/hybridflow/utilization")
     return lines
 
 
@@ -255,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{args.dag}: {state.upper()} in {time.monotonic() - t0:.0f} s")
     if args.dag == NIGHTLY:
-        for line in nightly_summary(api, run_id, storage_root):
+        for line in nightly_summary(api, run_id, storage_root) + ledger_lines(api, storage_root, args.timeout):
             print(f"  {line}")
         answered = ", ".join(f"version {v}: {n}" for v, n in sorted(traffic.answers.items())) or "none"
         print(f"  client during the run: answers by {answered}; {traffic.failed} failed")

@@ -476,7 +476,7 @@ def ensure_storage() -> None:
     ensure_dir(P.storage, owner=JOB_USER, group=STORAGE_GROUP, mode=0o2775)
     for sub in ("checkpoints", "runs", "scratch"):
         ensure_dir(P.storage / sub, owner=JOB_USER, group=STORAGE_GROUP, mode=0o2775)
-    for sub in ("features", "raw", "predictions", "models", "model-repository", "reports", "alerts"):
+    for sub in ("features", "raw", "predictions", "models", "model-repository", "reports", "alerts", "utilization"):
         ensure_dir(P.storage / sub, owner=SERVICE_USER, group=STORAGE_GROUP, mode=0o2775)
     stamp = P.storage / ".storage-group"
     if not stamp.exists() or stamp.read_text().strip() != STORAGE_GROUP:
@@ -625,6 +625,8 @@ AccountingStorageTRES=gres/gpu
 # Per-step CPU time and MaxRSS for job efficiency (issue 25); linux reads /proc, so it needs no cgroups. MaxRSS
 # is sampled: a step shorter than the period has none.
 JobAcctGatherType=jobacct_gather/linux
+# Keep each job's comment (the suite's job key) in accounting: the ledger's split by DAG and task reads it there.
+AccountingStoreFlags=job_comment
 JobAcctGatherFrequency=task=2
 {nodes}
 PartitionName=cpu Nodes={node_list} Default=YES MaxTime=INFINITE State=UP

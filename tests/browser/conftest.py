@@ -123,3 +123,28 @@ def evidence_on_failure(request, tmp_path):
         print(f"\nbrowser evidence: {tmp_path}/screenshot.png, page.html (at {browser.current_url})")
     except Exception as exc:  # the browser itself may be what broke
         print(f"\nno browser evidence saved: {exc}")
+
+
+@pytest.fixture(scope="module")
+def log_in(driver, admin_password, stack):
+    """Signs in on the simple auth manager's own login page, as a person would, landing on the path given;
+    returns the UI's base URL."""
+    base = stack["AIRFLOW__API__BASE_URL"].rstrip("/")
+
+    def sign_in(next_path: str) -> str:
+        _sign_in(driver, base, admin_password, next_path)
+        return base
+
+    return sign_in
+
+
+def _sign_in(driver, base: str, password: str, next_path: str) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(f"{base}/auth/login?next={urllib.parse.quote(next_path, safe='')}")
+    WebDriverWait(driver, 30).until(EC.visibility_of_element_located((By.NAME, "username"))).send_keys("admin")
+    driver.find_element(By.NAME, "password").send_keys(password)
+    driver.find_element(By.XPATH, "//form//button[normalize-space()='Sign in']").click()
+    WebDriverWait(driver, 30).until(lambda d: "/auth/login" not in d.current_url)

@@ -9,7 +9,6 @@ trigger and paused again.
 from __future__ import annotations
 
 import time
-import urllib.parse
 import uuid
 
 import pytest
@@ -36,14 +35,9 @@ def wait(driver, timeout: float = WAIT_S) -> WebDriverWait:
 
 
 @pytest.fixture(scope="module")
-def ui(driver, airflow, admin_password, stack) -> str:
+def ui(driver, airflow, log_in) -> str:
     """Logs in on the simple auth manager's own login page, as a person would; returns the UI's base URL."""
-    base = stack["AIRFLOW__API__BASE_URL"].rstrip("/")
-    driver.get(f"{base}/auth/login?next={urllib.parse.quote(f'/dags/{DAG_ID}', safe='')}")
-    wait(driver).until(EC.visibility_of_element_located((By.NAME, "username"))).send_keys("admin")
-    driver.find_element(By.NAME, "password").send_keys(admin_password)
-    driver.find_element(By.XPATH, "//form//button[normalize-space()='Sign in']").click()
-    wait(driver).until(lambda d: "/auth/login" not in d.current_url)
+    base = log_in(f"/dags/{DAG_ID}")
     wait(driver).until(EC.element_to_be_clickable(TRIGGER_BUTTON))
     return base
 

@@ -214,7 +214,7 @@ class SlurmHook(BaseHook):
         return capacity_verdict(partition, parse_sinfo_gpus(sinfo.stdout), parse_squeue(pending.stdout),
                                 gpus_per_node, nodes, exclude)
 
-    def efficiency(self, job_id: str, settle_s: float = 10) -> dict:
+    def efficiency(self, job_id: str, settle_s: float = 5) -> dict:
         """The ended job's efficiency from accounting (:func:`job_efficiency`). slurmctld sends slurmdbd a job's
         end a moment after it ends: a record without it is read again, for up to ``settle_s``."""
         deadline = time.monotonic() + settle_s

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import html
 import json
+import logging
+import os
 from collections.abc import Mapping, Sequence
 from datetime import date, datetime, time, timedelta
 from pathlib import Path
@@ -19,6 +21,7 @@ from hybridflow.layout import StorageLayout
 
 MAX_RANGE_DAYS = 92
 HISTORY_DAYS = 30
+log = logging.getLogger(__name__)
 
 
 def days_between(first: date, last: date) -> list[date]:
@@ -41,29 +44,29 @@ def day_window(day: date, now: datetime) -> tuple[datetime, datetime] | None:
 
 def store_day(layout: StorageLayout, partition: str, day: date, row: Mapping) -> str:
     path = Path(layout.utilization_day(partition, day.isoformat()))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o2775)  # shared storage: whoever computes the day next may replace the file
     write_json_atomic(path, {**row, "day": day.isoformat()}, mode=0o664)
     return str(path)
 
 
-def compute_days(hook, layout: StorageLayout, partitions: Sequence[str], days: Sequence[date], now: datetime,
-                 log=None) -> list[dict]:
+def compute_days(hook, layout: StorageLayout, partitions: Sequence[str], days: Sequence[date],
+                 now: datetime) -> list[dict]:
     """Each partition's row for each day (``hook``: a SlurmHook), stored; a day that has not begun is skipped."""
     stored = []
     for partition in partitions:
         for day in days:
             window = day_window(day, now)
             if window is None:
-                if log:
-                    log.info("%s %s: the day has not begun on the cluster's clock; skipped", partition, day)
+                log.info("%s %s: the day has not begun on the cluster's clock; skipped", partition, day)
                 continue
             row = {**hook.ledger_day(partition, window), "complete": window[1] - window[0] == timedelta(days=1)}
             path = store_day(layout, partition, day, row)
-            if log:
-                log.info("%s %s%s: %s of %.2f available GPU-hours allocated (%.2f), %d jobs, %.2f GPU-hours outside "
-                         "the suite -> %s", partition, day, "" if row["complete"] else " (so far)",
-                         _figure(row["utilization"], "%"), row["available_gpu_hours"], row["allocated_gpu_hours"],
-                         row["jobs"], row["outside_suite_gpu_hours"], path)
+            log.info("%s %s%s: %s of %.2f available GPU-hours allocated (%.2f), %d jobs, %.2f GPU-hours outside "
+                     "the suite -> %s", partition, day, "" if row["complete"] else " (so far)",
+                     _figure(row["utilization"], "%"), row["available_gpu_hours"], row["allocated_gpu_hours"],
+                     row["jobs"], row["outside_suite_gpu_hours"], path)
             stored.append({"partition": partition, "day": day.isoformat(), "path": path,
                            **{key: row[key] for key in ("utilization", "available_gpu_hours", "allocated_gpu_hours",
                                                         "complete")}})
@@ -127,7 +130,8 @@ def _chart(title: str, days: Sequence[str], series: Mapping[str, Sequence[float 
         max((v or 0 for v in values), default=0) for values in zip(*series.values(), strict=True)]
     top = max([*totals, line or 0, 1e-9]) * 1.1
     plot_w, plot_h = _WIDTH - _LEFT - 8, _HEIGHT - _BOTTOM - _TOP
-    slot = plot_w / max(len(days), 1)
+    slots = max(len(days), HISTORY_DAYS)  # a day keeps its width however few are stored; the newest on the right
+    slot, first = plot_w / slots, slots - len(days)
 
     def y(value: float) -> float:
         return _TOP + plot_h * (1 - value / top)
@@ -136,7 +140,7 @@ def _chart(title: str, days: Sequence[str], series: Mapping[str, Sequence[float 
              f'<text x="4" y="{_TOP + 10}" font-size="11">{top:.3g} {html.escape(unit)}</text>',
              f'<text x="4" y="{_TOP + plot_h}" font-size="11">0</text>']
     for index, day in enumerate(days):
-        x0, base = _LEFT + index * slot, 0.0
+        x0, base = _LEFT + (first + index) * slot, 0.0
         width = slot * 0.8 / (1 if stacked else max(len(series), 1))
         for number, (name, values) in enumerate(series.items()):
             value = values[index]
@@ -246,7 +250,7 @@ def run_ledger(config, params: Mapping, data_interval_start: datetime, ti) -> li
     hook = SlurmHook(config.cluster.ssh_conn_id)
     try:
         now = datetime.fromtimestamp(float(hook.run(["date", "+%s"]).stdout.strip()))  # the cluster's clock
-        return compute_days(hook, config.storage.layout, config.utilization.partitions, days, now, log=ti.log)
+        return compute_days(hook, config.storage.layout, config.utilization.partitions, days, now)
     finally:
         hook.close()
 
@@ -259,14 +263,14 @@ def alert_low_utilization(config, stored: Sequence[Mapping], ti) -> list[str]:
 
     complete = [date.fromisoformat(row["day"]) for row in stored if row.get("complete")]
     if not complete:
-        ti.log.info("no complete day computed: nothing to judge against the target")
+        log.info("no complete day computed: nothing to judge against the target")
         return []
     target = config.utilization
     messages = under_target_alerts(config.storage.layout, target.partitions, max(complete), target.target,
                                    target.alert_days)
     notifier = failure_alert()
     for message in messages:
-        ti.log.warning("%s", message)
+        log.warning("%s", message)
         notifier.send(build_alert(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, try_number=ti.try_number,
                                   error=message, kind=LOW_UTILIZATION, log_lines=config.alerts.log_lines))
     return messages
