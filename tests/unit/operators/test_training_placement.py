@@ -63,3 +63,21 @@ def test_training_result_by_placement(partition, gpus, tres, verdict, gpu_hours,
     assert result["utilization"]["verdict"] == verdict and result["utilization"]["gpu_hours"] == gpu_hours
     assert fragment in result["utilization"]["message"]
     assert result["efficiency"]["job_id"] == "7" and result["efficiency"]["queue_wait_s"] == 2.0
+
+
+class UnreadableAccounting(FakeHook):
+    def efficiency(self, job_id: str) -> dict:
+        from hybridflow.exceptions import SlurmConnectionError
+
+        raise SlurmConnectionError("sacct on login:22 failed (exit 1): slurmdbd: Connection refused")
+
+
+def test_accounting_that_cannot_be_read_leaves_the_job_succeeded_and_says_why():
+    op = SlurmSubmitOperator(task_id="job", command=["true"], partition="p", log_dir="/l")
+    op.__dict__["hook"] = UnreadableAccounting({})
+    status = SlurmJobStatus(job_id="8", name="hf-job", state="COMPLETED", source="sacct", exit_code=0,
+                            elapsed_s=3.0, alloc_tres={"cpu": "1"})
+    result = op._finish(status, handback={"log_tail": "", "recovery": []})
+    assert result["state"] == "COMPLETED"
+    assert result["efficiency"] == {"job_id": "8", "not_measured": {
+        "all": "Slurm accounting was not read: sacct on login:22 failed (exit 1): slurmdbd: Connection refused"}}
