@@ -81,6 +81,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the synthetic feature partitions of t
 
 from helpers.feature_partitions import FEATURES as JOB_FEATURES  # noqa: E402
 from helpers.feature_partitions import write_features  # noqa: E402
+from hybridflow.utils.efficiency import describe_time_shares, time_shares  # noqa: E402
 from hybridtrain.config import DEFAULT_MODEL_PRESETS_PATH, deepspeed_settings_for_run, load_model_presets  # noqa: E402
 from hybridtrain.engine import init_engine  # noqa: E402
 from hybridtrain.gpu import GpuSampler, read_gpu_metrics, summarise_gpu_metrics  # noqa: E402
@@ -358,11 +359,16 @@ def _run_job(hook, stack: dict[str, str], run_config: dict, run_dir: str, *, ran
         "gpu_mean_util_pct": _measured(gpu.get("mean_utilization_pct")),
         "gpu_per_device": gpu.get("per_gpu") or NOT_MEASURED,
         "gpu": gpu or NOT_MEASURED,
+        # where the job's allocated time went: rank 0's phases over Slurm's elapsed (the rest is "waiting")
+        "time_split": time_shares(metrics.get("time_split_s"), status.elapsed_s) or NOT_MEASURED,
     }
     print(f"training job, 1 node x {ranks} rank(s): Slurm job {job_id} {status.state}: {run['rows_per_s']} rows/s, "
           f"{run['steps']} steps in a {train_wall_s} s training loop, world size {run['world_size']}, ranks "
           f"{_placement(run['ranks'])}, {run['submit_to_end_s']} s submit to end (queued {run['queue_wait_s']} s, "
           f"Slurm elapsed {status.elapsed_s} s), all-reduce share {_measured(_share_of(allreduce))}", flush=True)
+    split = run["time_split"]
+    print(f"  where its {status.elapsed_s} s went: "
+          f"{describe_time_shares(split) if isinstance(split, dict) else NOT_MEASURED}", flush=True)
     return run
 
 

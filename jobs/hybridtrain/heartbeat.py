@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hybridtrain.checkpoints import write_json_atomic
+from hybridtrain.time_split import PhaseClock
 
 __all__ = ["HEARTBEAT_DIR", "Heartbeat", "heartbeat_file"]
 
@@ -39,6 +40,7 @@ class Heartbeat:
         self._place = {"rank": rank, "node": node, "pid": os.getpid(), "job_id": environ.get("SLURM_JOB_ID", ""),
                        "restart": int(restart) if restart.isdigit() else 0}
         self._phase, self._step, self._progress_at = "starting", 0, clock()
+        self.phases = PhaseClock(self._phase)  # wall time per phase (time_split); monotonic, unlike the beat's clock
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -46,6 +48,7 @@ class Heartbeat:
         if step is not None:
             self._step = step
         if phase is not None:
+            self.phases.enter(phase)
             self._phase = phase
         self._progress_at = self._clock()
 

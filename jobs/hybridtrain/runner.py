@@ -518,6 +518,7 @@ class _Trainer:
         if evaluate:
             self.evaluation = self._evaluate()
             self._record_evaluation()
+            self.heartbeat.beat(phase="checkpointing")
         if self.rank == 0 and step_dir.exists():
             log.warning("replacing %s, left by an earlier attempt", step_dir)
             remove_checkpoint(step_dir)
@@ -585,6 +586,7 @@ class _Trainer:
     def _evaluate(self) -> dict[str, Any]:
         """Holdout AUC and log loss of the current weights, on every rank (a ZeRO-3 forward is collective)."""
         torch = self.torch
+        self.heartbeat.beat(phase="evaluating")
         self.engine.eval()
         logits = []
         with torch.no_grad():
@@ -680,6 +682,7 @@ class _Trainer:
         if self.evaluation is None or self.evaluation["step"] != self.step:
             self.evaluation = self._evaluate()
             self._record_evaluation()
+            self.heartbeat.beat(phase="finishing")
         state_dict = self.ds.full_state_dict(self.engine)
         engine_outputs = self._probabilities((self.smoke_inputs - self.data.mean) / self.data.std)
         if self.rank == 0:
@@ -773,6 +776,7 @@ class _Trainer:
             "token_definition": _TOKEN_DEFINITION,
             "train_wall_time_s": train_wall_s,
             "wall_time_s": round(time.monotonic() - self.job.started, 3),
+            "time_split_s": self.heartbeat.phases.seconds(),  # rank 0's wall seconds per phase (this run)
             "samples_per_s": round(rows_processed / train_wall_s, 2) if train_wall_s > 0 else None,
             "gpu": gpu,
             "mean_gpu_utilization_pct": gpu["mean_utilization_pct"],

@@ -91,6 +91,11 @@ class StorageLayout:
         return self._under("utilization", safe_segment(partition), f"day={day}.json")
 
     @property
+    def utilization_jobs(self) -> str:
+        """Where each training job's time split waits for the ledger: ``<job id>.json``."""
+        return self._under("utilization", "jobs")
+
+    @property
     def alerts_file(self) -> str:
         """The local alert sink (notifiers/oncall.py) when HYBRIDFLOW_ALERTS_FILE does not name another."""
         return self._under("alerts", "alerts.jsonl")

@@ -10,6 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 
 def test_training_deepspeed_job_on_slurm_completes_with_metrics_and_a_verified_checkpoint(run_dag, training_area,
                                                                                          stack, make_run_config):
@@ -35,6 +37,17 @@ def test_training_deepspeed_job_on_slurm_completes_with_metrics_and_a_verified_c
     assert returned["utilization"]["verdict"] == "not_measured"  # no GPU here: said so, not faked
     assert "nvidia-smi" in returned["utilization"]["message"]
     assert returned["utilization"]["gpu_hours"] > 0  # the allocation still cost GPU time
+    # where the job's allocated time went (rank 0's phases against Slurm's elapsed), left for the ledger too
+    split = returned["time_split"]
+    assert {"training_steps", "data_loading", "rendezvous", "checkpoint_writes", "evaluation", "waiting"} <= set(
+        split["shares"]) and split["shares"]["training_steps"] > 0
+    # the phases and the rest make the whole job (Slurm counts whole seconds of a ~20-s job)
+    assert sum(split["shares"].values()) == pytest.approx(1.0, abs=0.1)
+    from hybridflow.config import pipeline_config
+
+    left = json.loads((Path(pipeline_config().storage.layout.utilization_jobs) / f"{returned['job_id']}.json")
+                      .read_text())
+    assert left["shares"] == split["shares"]
 
     from hybridflow.sensors.checkpoint import CheckpointSensor
 

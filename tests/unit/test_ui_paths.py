@@ -163,4 +163,5 @@ def test_mlflow_run_link_only_for_run_pages_of_an_http_server(monkeypatch, xcom,
 def test_app_has_no_unauthenticated_docs_or_schema():
     app = create_app()
     assert (app.docs_url, app.redoc_url, app.openapi_url) == (None, None, None)
-    assert {route.path for route in app.routes} == {"/reports/{dag_id}/{path:path}", "/slurm/jobs/{job_id}"}
+    assert {route.path for route in app.routes} == {"/reports/{dag_id}/{path:path}", "/slurm/jobs/{job_id}",
+                                                       "/utilization"}

@@ -9,6 +9,7 @@ from datetime import date, timedelta
 from typing import Any
 
 from hybridflow.config import DEPLOY_MODES
+from hybridflow.utils.efficiency import describe_time_shares
 
 MODES = ("auto", "always", "never")
 
@@ -140,6 +141,7 @@ def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any
         "mean_gpu_utilization_pct": utilization.get("mean_utilization_pct"),
         "restarts": summary.get("restarts"),
         "efficiency": result.get("efficiency"),  # from Slurm's accounting (utils/efficiency.py)
+        "time_split": describe_time_shares(result.get("time_split")),
         "healing": healing_text(result.get("recovery")),
         "train_rows_processed": summary.get("train_rows_processed"),
         "auc": summary.get("auc"),

@@ -61,7 +61,8 @@ def compute_days(hook, layout: StorageLayout, partitions: Sequence[str], days: S
             if window is None:
                 log.info("%s %s: the day has not begun on the cluster's clock; skipped", partition, day)
                 continue
-            row = {**hook.ledger_day(partition, window), "complete": window[1] - window[0] == timedelta(days=1)}
+            row = {**hook.ledger_day(partition, window, time_splits=read_time_splits(layout, window[0])),
+                   "complete": window[1] - window[0] == timedelta(days=1)}
             path = store_day(layout, partition, day, row)
             log.info("%s %s%s: %s of %.2f available GPU-hours allocated (%.2f), %d jobs, %.2f GPU-hours outside "
                      "the suite -> %s", partition, day, "" if row["complete"] else " (so far)",
@@ -85,6 +86,21 @@ def under_target_alerts(layout: StorageLayout, partitions: Sequence[str], last: 
             messages.append(f"GPU partition {partition} stayed under the {target:.0%} utilization target for "
                             f"{alert_days} days ({figures}). Runbook: include/runbooks/utilization.md")
     return messages
+
+
+def read_time_splits(layout: StorageLayout, since: datetime) -> dict[str, dict]:
+    """The time splits training jobs left (operators/training.py), by job id: those written since ``since``."""
+    splits = {}
+    for path in Path(layout.utilization_jobs).glob("*.json"):
+        try:
+            if datetime.fromtimestamp(path.stat().st_mtime) < since:
+                continue
+            split = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(split, dict) and isinstance(split.get("shares"), dict):
+            splits[path.stem] = {"shares": split["shares"], "allocated_s": split.get("allocated_s")}
+    return splits
 
 
 def read_days(layout: StorageLayout, partition: str, last: date, count: int = HISTORY_DAYS) -> list[dict]:
@@ -205,7 +221,21 @@ def partition_section(partition: str, rows: Sequence[Mapping], target: float) ->
         f"<td>{html.escape('; '.join(f'{k}: {v}' for k, v in (row.get('not_measured') or {}).items()))}</td></tr>"
         for row in reversed(rows))
     return (f"<section><h2>{html.escape(title)}</h2>{''.join(charts)}<table class=\"days\">{header}{body}</table>"
-            "</section>")
+            f"{_time_split_table(rows)}</section>")
+
+
+def _time_split_table(rows: Sequence[Mapping], limit: int = 10) -> str:
+    """Where the newest training jobs' allocated time went (the jobs that wrote a split)."""
+    jobs = [(row["day"], job_id, split) for row in rows
+            for job_id, split in sorted((row.get("time_split_by_job") or {}).items())]
+    if not jobs:
+        return ""
+    body = "".join(
+        f"<tr><td>{html.escape(day)}</td><td>{html.escape(job_id)}</td><td>{html.escape(str(split.get('dag_id')))}"
+        f"</td><td>{html.escape(', '.join(f'{name} {share:.0%}' for name, share in split['shares'].items()))}</td>"
+        f"</tr>" for day, job_id, split in reversed(jobs[-limit:]))
+    return ("<h3>Where training jobs' time went (shares of the job's allocated time)</h3><table class=\"splits\">"
+            f"<tr><th>Day</th><th>Slurm job</th><th>DAG</th><th>Split</th></tr>{body}</table>")
 
 
 def page_html(sections: Mapping[str, Sequence[Mapping]], target: float, alert_days: int) -> str:
@@ -222,7 +252,8 @@ def page_html(sections: Mapping[str, Sequence[Mapping]], target: float, alert_da
 # --- the DAG's tasks ------------------------------------------------------------------------------------------
 
 def days_from_params(params: Mapping, run_day: date) -> list[date]:
-    """The days a run computes: ``start_day``..``end_day`` from the trigger form, else the run's day."""
+    """The days a run computes: ``start_day``..``end_day`` from the trigger form, else the day before the run
+    (complete: the scheduled run after midnight is for it) and the run's own day so far."""
     def parse(name: str, fallback: date) -> date:
         value = params.get(name) or ""
         if not value:
@@ -232,11 +263,13 @@ def days_from_params(params: Mapping, run_day: date) -> list[date]:
         except ValueError:
             raise ValueError(f"{name}: {value!r} is not a calendar day; give YYYY-MM-DD") from None
 
+    if not params.get("start_day"):
+        return days_between(run_day - timedelta(days=1), parse("end_day", run_day))
     first = parse("start_day", run_day)
     return days_between(first, parse("end_day", first))
 
 
-def run_ledger(config, params: Mapping, data_interval_start: datetime, ti) -> list[dict]:
+def run_ledger(config, params: Mapping, run_after: datetime) -> list[dict]:
     """The ``ledger`` task: every configured partition's rows for the run's days, stored. Refused before Slurm is
     asked when the days are not valid."""
     from airflow.sdk.exceptions import AirflowFailException
@@ -244,7 +277,7 @@ def run_ledger(config, params: Mapping, data_interval_start: datetime, ti) -> li
     from hybridflow.hooks.slurm import SlurmHook
 
     try:
-        days = days_from_params(params, data_interval_start.date())
+        days = days_from_params(params, run_after.date())
     except ValueError as error:
         raise AirflowFailException(f"{error}. Nothing was computed.") from None
     hook = SlurmHook(config.cluster.ssh_conn_id)
@@ -255,10 +288,9 @@ def run_ledger(config, params: Mapping, data_interval_start: datetime, ti) -> li
         hook.close()
 
 
-def alert_low_utilization(config, stored: Sequence[Mapping], ti) -> list[str]:
+def alert_low_utilization(config, stored: Sequence[Mapping], ti, notifier) -> list[str]:
     """The ``check_target`` task: on-call hears about each partition under the target for ``alert_days`` complete
     days ending with the newest complete day this run computed (none: nothing to judge)."""
-    from hybridflow.dag_defaults import failure_alert
     from hybridflow.notifiers.oncall import LOW_UTILIZATION, build_alert
 
     complete = [date.fromisoformat(row["day"]) for row in stored if row.get("complete")]
@@ -268,7 +300,6 @@ def alert_low_utilization(config, stored: Sequence[Mapping], ti) -> list[str]:
     target = config.utilization
     messages = under_target_alerts(config.storage.layout, target.partitions, max(complete), target.target,
                                    target.alert_days)
-    notifier = failure_alert()
     for message in messages:
         log.warning("%s", message)
         notifier.send(build_alert(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, try_number=ti.try_number,

@@ -152,3 +152,31 @@ def describe_efficiency(figures: Mapping) -> str:
     measured = ", ".join(part for part in parts if part)
     missing = "; ".join(f"{key} not measured: {why}" for key, why in figures.get("not_measured", {}).items())
     return f"{measured}{f' ({missing})' if missing else ''}"
+
+
+# the categories a training job reports (jobs/hybridtrain/time_split.py), in the order people read them
+TIME_SPLIT_ORDER = ("training_steps", "data_loading", "rendezvous", "checkpoint_writes", "checkpoint_reads",
+                    "evaluation", "startup", "export")
+
+
+def time_shares(split_s: Mapping | None, allocated_s: float | None) -> dict | None:
+    """Rank 0's seconds per phase (``metrics.json`` ``time_split_s``) as shares of the job's allocated time
+    (Slurm's elapsed of this run); ``waiting`` is the rest: Slurm's launch, the node self-check, process start and
+    teardown, time outside rank 0's phases. None when the job wrote no split or the elapsed time is unknown."""
+    if not isinstance(split_s, Mapping) or not split_s or not allocated_s or allocated_s <= 0:
+        return None
+    seconds = {name: float(value) for name, value in split_s.items()
+               if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0}
+    ordered = [name for name in TIME_SPLIT_ORDER if name in seconds] + sorted(set(seconds) - set(TIME_SPLIT_ORDER))
+    shares = {name: round(seconds[name] / allocated_s, 4) for name in ordered}
+    shares["waiting"] = round(max(allocated_s - sum(seconds.values()), 0.0) / allocated_s, 4)
+    return {"allocated_s": allocated_s, "seconds": {name: round(seconds[name], 3) for name in ordered},
+            "shares": shares}
+
+
+def describe_time_shares(split: Mapping | None) -> str | None:
+    """``training steps 61%, data loading 9%, ..., waiting 12%`` (shares of 1% or more)."""
+    if not split:
+        return None
+    return ", ".join(f"{name.replace('_', ' ')} {share:.0%}" for name, share in split["shares"].items()
+                     if share >= 0.01) or None

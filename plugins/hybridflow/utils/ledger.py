@@ -119,9 +119,11 @@ def _percentile(values: list[float], share: float) -> float | None:
 
 def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: Mapping[str, int],
                   jobs: Iterable[LedgerJob], node_events: Iterable[tuple[str, datetime, datetime | None]],
-                  gpu_busy: Mapping[str, float] | None = None) -> dict:
+                  gpu_busy: Mapping[str, float] | None = None,
+                  time_splits: Mapping[str, Mapping] | None = None) -> dict:
     """The ledger row of one partition for ``window``. ``node_gpus``: node -> its GPUs (GRES); ``gpu_busy``: job id
-    -> mean GPU utilization (0-1) measured by the job, where it was."""
+    -> mean GPU utilization (0-1) measured by the job, where it was; ``time_splits``: job id -> where a training
+    job's time went (``efficiency.time_shares``), kept for the jobs of the window."""
     hours = (window[1] - window[0]).total_seconds() / 3600
     by_node: dict[str, list] = defaultdict(list)
     for node, began, ended in node_events:
@@ -134,6 +136,7 @@ def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: 
     by_user: dict[str, float] = defaultdict(float)
     allocated, busy, measured, counted = 0.0, 0.0, 0.0, 0
     waits: list[float] = []
+    split_by_job: dict[str, dict] = {}
     cpu_used, cpu_held = 0.0, 0.0
     for job in jobs:
         gpu_hours = job.gpus * _overlap(job.start, job.end, window) / 3600
@@ -145,6 +148,8 @@ def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: 
             cpu_used += job.total_cpu_s
             cpu_held += job.cpus * job.elapsed_s
         counted += 1
+        if time_splits and job.job_id in time_splits:
+            split_by_job[job.job_id] = {"dag_id": job.key.dag_id if job.key else None, **time_splits[job.job_id]}
         allocated += gpu_hours
         by_user[job.user] += gpu_hours
         dag = job.key.dag_id if job.key else OUTSIDE_SUITE
@@ -183,5 +188,6 @@ def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: 
         "cpu_efficiency": cpu_efficiency,
         "by_dag": rounded(by_dag), "by_task": rounded(by_task), "by_user": rounded(by_user),
         "outside_suite_gpu_hours": round(by_dag.get(OUTSIDE_SUITE, 0.0), 4),
+        "time_split_by_job": split_by_job,
         "not_measured": not_measured,
     }

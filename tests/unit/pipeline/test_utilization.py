@@ -3,6 +3,7 @@ streak behind the on-call alert, and the page's charts. Files are real (tmp_path
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import date, datetime
 
@@ -14,6 +15,7 @@ from hybridflow.pipeline.utilization import (
     days_from_params,
     page_html,
     read_days,
+    read_time_splits,
     store_day,
     under_target_alerts,
     under_target_streak,
@@ -23,11 +25,11 @@ RUN_DAY = date(2026, 12, 5)
 
 
 @pytest.mark.parametrize("params, expected", [
-    ({}, [RUN_DAY]),
-    ({"start_day": "", "end_day": ""}, [RUN_DAY]),
+    ({}, [date(2026, 12, 4), RUN_DAY]),  # the day that ended, and the run's day so far
+    ({"start_day": "", "end_day": ""}, [date(2026, 12, 4), RUN_DAY]),
     ({"start_day": "2026-11-30"}, [date(2026, 11, 30)]),
     ({"start_day": "2026-11-30", "end_day": "2026-12-02"}, [date(2026, 11, 30), date(2026, 12, 1), date(2026, 12, 2)]),
-    ({"end_day": "2026-12-05"}, [RUN_DAY]),
+    ({"end_day": "2026-12-05"}, [date(2026, 12, 4), RUN_DAY]),
 ])
 def test_the_days_a_run_computes(params, expected):
     assert days_from_params(params, RUN_DAY) == expected
@@ -98,3 +100,57 @@ def test_the_page_charts_each_partition_and_escapes_what_slurm_reported():
     assert "<script>" not in page and "&lt;script&gt;" in page
     assert "2026-12-05 (so far)" in page and "not measured" in page and "no GPU job ended" in page
     assert "No stored days yet" in page  # the partition without rows
+    assert "Where training jobs" not in page  # no job wrote a split
+
+
+def test_the_page_lists_where_training_jobs_time_went_and_the_ledger_reads_fresh_splits(tmp_path):
+    layout = StorageLayout(str(tmp_path))
+    jobs = tmp_path / "utilization/jobs"
+    jobs.mkdir(parents=True)
+    (jobs / "977.json").write_text('{"job_id": "977", "allocated_s": 40, "shares": {"training_steps": 0.6}}')
+    (jobs / "12.json").write_text('{"job_id": "12", "shares": {"training_steps": 0.5}}')
+    (jobs / "13.json").write_text("not json")
+    os.utime(jobs / "12.json", (0, 0))  # written long before the window
+    assert read_time_splits(layout, datetime(2026, 1, 1)) == {"977": {"shares": {"training_steps": 0.6},
+                                                                       "allocated_s": 40}}
+    rows = [row("2026-12-05", 0.3, time_split_by_job={"977": {"dag_id": "nightly_training",
+                                                             "shares": {"training_steps": 0.6, "waiting": 0.4}}})]
+    page = page_html({"gpu-training": rows}, target=0.6, alert_days=3)
+    assert "<td>977</td><td>nightly_training</td><td>training_steps 60%, waiting 40%</td>" in page
+
+
+class Sink:
+    """Stands in for the on-call notifier (its webhook is a process boundary; its own tests cover it)."""
+
+    def __init__(self) -> None:
+        self.alerts = []
+
+    def send(self, alert) -> None:
+        self.alerts.append(alert)
+
+
+class TaskInstance:
+    dag_id, run_id, task_id, try_number = "cluster_utilization", "scheduled__2026-12-06", "check_target", 1
+
+
+def test_on_call_hears_once_the_partition_stayed_under_target_for_alert_days(tmp_path):
+    from dataclasses import replace
+
+    from hybridflow.config import pipeline_config
+    from hybridflow.pipeline.utilization import alert_low_utilization
+
+    base = pipeline_config()
+    config = replace(base, storage=replace(base.storage, root=str(tmp_path)),
+                     utilization=replace(base.utilization, partitions=("gpu-training",), target=0.6, alert_days=3))
+    layout = config.storage.layout
+    for day, utilization in (("2026-12-03", 0.1), ("2026-12-04", 0.2)):
+        store_day(layout, "gpu-training", date.fromisoformat(day), row(day, utilization))
+    stored = [{"partition": "gpu-training", "day": "2026-12-04", "complete": True}]
+    sink = Sink()
+    assert alert_low_utilization(config, stored, TaskInstance(), sink) == [] and sink.alerts == []  # 2 days of 3
+    store_day(layout, "gpu-training", RUN_DAY, row("2026-12-05", 0.3))
+    stored.append({"partition": "gpu-training", "day": "2026-12-05", "complete": True})
+    [message] = alert_low_utilization(config, stored, TaskInstance(), sink)
+    assert [alert.kind for alert in sink.alerts] == ["low_utilization"] and message in sink.alerts[0].error
+    # today so far is never judged: the newest complete day is
+    assert alert_low_utilization(config, [{"day": "2026-12-06", "complete": False}], TaskInstance(), sink) == []

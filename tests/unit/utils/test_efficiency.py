@@ -9,8 +9,10 @@ from hybridflow.utils.efficiency import (
     NO_MEMORY_SAMPLE,
     accounting_settled,
     describe_efficiency,
+    describe_time_shares,
     efficiency_argv,
     job_efficiency,
+    time_shares,
 )
 
 # the local stack's 2-node training job: jobacct_gather/none, so no MaxRSS and TotalCPU 0
@@ -93,3 +95,28 @@ def test_the_sacct_command_lists_every_run_and_its_steps():
 def test_accounting_is_settled_once_the_last_run_has_its_end(text, settled):
     job_id = text.split("|", 1)[0] or "973"
     assert accounting_settled(text, job_id) is settled
+
+
+@pytest.mark.parametrize(("split", "allocated", "expected"), [
+    ({"startup": 4.0, "data_loading": 2.0, "rendezvous": 1.0, "training_steps": 20.0, "checkpoint_writes": 3.0,
+      "evaluation": 2.0, "export": 1.0}, 40.0,
+     {"training_steps": 0.5, "data_loading": 0.05, "rendezvous": 0.025, "checkpoint_writes": 0.075,
+      "evaluation": 0.05, "startup": 0.1, "export": 0.025, "waiting": 0.175}),
+    ({"training_steps": 50.0, "a_new_phase": 2.0}, 40.0, {"training_steps": 1.25, "a_new_phase": 0.05,
+                                                           "waiting": 0.0}),  # clocks disagree: no negative wait
+    ({"training_steps": "x", "rendezvous": -1, "evaluation": True}, 10.0, {"waiting": 1.0}),  # not figures
+])
+def test_a_jobs_time_split_as_shares_of_its_allocated_time(split, allocated, expected):
+    result = time_shares(split, allocated)
+    assert result["shares"] == expected and list(result["shares"]) == list(expected)
+
+
+@pytest.mark.parametrize(("split", "allocated"), [(None, 10.0), ({}, 10.0), ({"training_steps": 1.0}, None),
+                                                  ({"training_steps": 1.0}, 0)])
+def test_no_split_without_the_jobs_figures(split, allocated):
+    assert time_shares(split, allocated) is None and describe_time_shares(None) is None
+
+
+def test_the_split_in_one_line():
+    line = describe_time_shares(time_shares({"training_steps": 30.0, "data_loading": 6.0, "export": 0.1}, 40.0))
+    assert line == "training steps 75%, data loading 15%, waiting 10%"

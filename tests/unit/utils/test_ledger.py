@@ -52,7 +52,10 @@ def test_no_usage_gathered_is_not_measured_rather_than_zero():
 
 
 def test_one_day_of_the_partition():
-    row = partition_day("gpu", DAY, NODES, parse_ledger_jobs(JOBS), parse_node_events(EVENTS), gpu_busy={"101": 0.5})
+    split = {"shares": {"training_steps": 0.6, "waiting": 0.4}}
+    row = partition_day("gpu", DAY, NODES, parse_ledger_jobs(JOBS), parse_node_events(EVENTS), gpu_busy={"101": 0.5},
+                        time_splits={"101": split, "999": split})  # 999: another day's job, left out
+    assert row["time_split_by_job"] == {"101": {"dag_id": "nightly_training", **split}}
     assert row["gpus"] == 4
     assert row["down_gpu_hours"] == 2 * 3 + 2 * 0.5
     assert row["available_gpu_hours"] == 4 * 24 - 7
