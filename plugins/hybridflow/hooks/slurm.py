@@ -225,14 +225,15 @@ class SlurmHook(BaseHook):
             time.sleep(1)
 
     def ledger_day(self, partition: str, window: tuple[datetime, datetime],
-                   time_splits: Mapping[str, Mapping] | None = None) -> dict:
+                   time_splits: Mapping[str, Mapping] | None = None,
+                   gpu_busy: Mapping[str, float] | None = None) -> dict:
         """The partition's ledger row for ``window`` (:func:`partition_day`; times in the cluster's local time, as
         sacct reads them), over the nodes the partition has now."""
         nodes = parse_sinfo_gpus(self._checked(capacity_sinfo_argv(partition), "sinfo"))
         node_gpus = {node.name: node.gpus_total for node in nodes}
         jobs = parse_ledger_jobs(self._checked(ledger_jobs_argv(partition, *window), "sacct"))
         events = parse_node_events(self._checked(node_events_argv(node_gpus, *window), "sacctmgr")) if nodes else []
-        return partition_day(partition, window, node_gpus, jobs, events, time_splits=time_splits)
+        return partition_day(partition, window, node_gpus, jobs, events, gpu_busy=gpu_busy, time_splits=time_splits)
 
     def _checked(self, argv: Sequence[str], what: str) -> str:
         result = self.run(argv)

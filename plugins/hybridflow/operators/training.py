@@ -333,24 +333,27 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         return {"run_id": run_id, "experiment_id": experiment_id, "url": mlflow.run_url(experiment_id, run_id),
                 "logged_after_job": logged_now}
 
-    def _time_split(self, status: SlurmJobStatus, metrics: Mapping[str, Any]) -> dict | None:
-        """Where the job's allocated time went (rank 0's phases, metrics.json), logged and left for the partition
-        ledger (``<storage>/utilization/jobs/<job id>.json``); None when the job wrote no split."""
+    def _time_split(self, status: SlurmJobStatus, metrics: Mapping[str, Any],
+                    mean_gpu_utilization_pct: float | None) -> dict | None:
+        """Where the job's allocated time went (rank 0's phases, metrics.json), logged; left for the partition
+        ledger (``<storage>/utilization/jobs/<job id>.json``) with the GPUs' measured mean utilization where
+        nvidia-smi sampled them (the ledger's busy GPU-hours). None when the job wrote no split."""
         from hybridflow.atomic import write_json_atomic
         from hybridflow.config import pipeline_config
         from hybridflow.utils.efficiency import describe_time_shares, time_shares
 
         split = time_shares(metrics.get("time_split_s"), status.elapsed_s)
-        if split is None:
-            self.log.info("Where the job's time went: not measured (the job wrote no time_split_s)")
-            return None
-        self.log.info("Where the job's %.0f s went: %s", status.elapsed_s, describe_time_shares(split))
+        self.log.info("Where the job's %.0f s went: %s", status.elapsed_s or 0,
+                      describe_time_shares(split) or "not measured (the job wrote no time_split_s)")
+        if split is None and mean_gpu_utilization_pct is None:
+            return None  # nothing for the ledger
+        figures = {"job_id": status.job_id, **(split or {}), "mean_gpu_utilization_pct": mean_gpu_utilization_pct}
         folder = Path(pipeline_config().storage.layout.utilization_jobs)
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(folder / f"{status.job_id}.json", {"job_id": status.job_id, **split}, mode=0o664)
-        except OSError as error:  # the ledger then lacks this job's split; the training result stands
-            self.log.warning("could not leave the time split for the ledger in %s: %s", folder, error)
+            write_json_atomic(folder / f"{status.job_id}.json", figures, mode=0o664)
+        except OSError as error:  # the ledger then lacks this job's figures; the training result stands
+            self.log.warning("could not leave the job's figures for the ledger in %s: %s", folder, error)
         return split
 
     def _finish(self, status: SlurmJobStatus, message: str = "", handback: Mapping[str, Any] | None = None) -> dict:
@@ -384,7 +387,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
                          "verdict": report.verdict, "message": report.message},
         )
         result["mlflow"] = tracked
-        result["time_split"] = self._time_split(status, metrics)
+        result["time_split"] = self._time_split(status, metrics, report.mean_utilization_pct)
         summary = result["metrics"]
         self.log.info("Training finished: holdout AUC %s, log loss %s at step %s of %s; ranks %s; restarts %s",
                       _figure(summary["auc"]), _figure(summary["log_loss"]), summary["step"], summary["total_steps"],

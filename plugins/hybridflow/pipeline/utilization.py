@@ -61,7 +61,8 @@ def compute_days(hook, layout: StorageLayout, partitions: Sequence[str], days: S
             if window is None:
                 log.info("%s %s: the day has not begun on the cluster's clock; skipped", partition, day)
                 continue
-            row = {**hook.ledger_day(partition, window, time_splits=read_time_splits(layout, window[0])),
+            splits, gpu_busy = read_job_figures(layout, window[0])
+            row = {**hook.ledger_day(partition, window, time_splits=splits, gpu_busy=gpu_busy),
                    "complete": window[1] - window[0] == timedelta(days=1)}
             path = store_day(layout, partition, day, row)
             log.info("%s %s%s: %s of %.2f available GPU-hours allocated (%.2f), %d jobs, %.2f GPU-hours outside "
@@ -88,19 +89,25 @@ def under_target_alerts(layout: StorageLayout, partitions: Sequence[str], last: 
     return messages
 
 
-def read_time_splits(layout: StorageLayout, since: datetime) -> dict[str, dict]:
-    """The time splits training jobs left (operators/training.py), by job id: those written since ``since``."""
-    splits = {}
+def read_job_figures(layout: StorageLayout, since: datetime) -> tuple[dict[str, dict], dict[str, float]]:
+    """What training jobs left for the ledger (operators/training.py) since ``since``, by job id: their time splits,
+    and their GPUs' measured mean utilization (0-1) where nvidia-smi sampled them."""
+    splits, gpu_busy = {}, {}
     for path in Path(layout.utilization_jobs).glob("*.json"):
         try:
             if datetime.fromtimestamp(path.stat().st_mtime) < since:
                 continue
-            split = json.loads(path.read_text())
+            figures = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(split, dict) and isinstance(split.get("shares"), dict):
-            splits[path.stem] = {"shares": split["shares"], "allocated_s": split.get("allocated_s")}
-    return splits
+        if not isinstance(figures, dict):
+            continue
+        if isinstance(figures.get("shares"), dict):
+            splits[path.stem] = {"shares": figures["shares"], "allocated_s": figures.get("allocated_s")}
+        busy = figures.get("mean_gpu_utilization_pct")
+        if isinstance(busy, int | float) and not isinstance(busy, bool) and 0 <= busy <= 100:
+            gpu_busy[path.stem] = busy / 100
+    return splits, gpu_busy
 
 
 def read_days(layout: StorageLayout, partition: str, last: date, count: int = HISTORY_DAYS) -> list[dict]:

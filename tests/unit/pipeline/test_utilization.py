@@ -15,7 +15,7 @@ from hybridflow.pipeline.utilization import (
     days_from_params,
     page_html,
     read_days,
-    read_time_splits,
+    read_job_figures,
     store_day,
     under_target_alerts,
     under_target_streak,
@@ -103,16 +103,19 @@ def test_the_page_charts_each_partition_and_escapes_what_slurm_reported():
     assert "Where training jobs" not in page  # no job wrote a split
 
 
-def test_the_page_lists_where_training_jobs_time_went_and_the_ledger_reads_fresh_splits(tmp_path):
+def test_the_page_lists_where_training_jobs_time_went_and_the_ledger_reads_fresh_job_figures(tmp_path):
     layout = StorageLayout(str(tmp_path))
     jobs = tmp_path / "utilization/jobs"
     jobs.mkdir(parents=True)
-    (jobs / "977.json").write_text('{"job_id": "977", "allocated_s": 40, "shares": {"training_steps": 0.6}}')
+    (jobs / "977.json").write_text('{"job_id": "977", "allocated_s": 40, "shares": {"training_steps": 0.6}, '
+                                   '"mean_gpu_utilization_pct": 87.5}')
+    (jobs / "978.json").write_text('{"job_id": "978", "mean_gpu_utilization_pct": null}')  # no split, no GPU samples
+    (jobs / "979.json").write_text('{"job_id": "979", "mean_gpu_utilization_pct": 250}')  # not a percentage
     (jobs / "12.json").write_text('{"job_id": "12", "shares": {"training_steps": 0.5}}')
     (jobs / "13.json").write_text("not json")
     os.utime(jobs / "12.json", (0, 0))  # written long before the window
-    assert read_time_splits(layout, datetime(2026, 1, 1)) == {"977": {"shares": {"training_steps": 0.6},
-                                                                       "allocated_s": 40}}
+    splits, gpu_busy = read_job_figures(layout, datetime(2026, 1, 1))
+    assert splits == {"977": {"shares": {"training_steps": 0.6}, "allocated_s": 40}} and gpu_busy == {"977": 0.875}
     rows = [row("2026-12-05", 0.3, time_split_by_job={"977": {"dag_id": "nightly_training",
                                                              "shares": {"training_steps": 0.6, "waiting": 0.4}}})]
     page = page_html({"gpu-training": rows}, target=0.6, alert_days=3)
