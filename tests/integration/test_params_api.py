@@ -18,7 +18,8 @@ from helpers.rest import call, local_api_when_up
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
 DAGS = ("nightly_training", "workload_router", "oncall_rollback_model", "oncall_training_job", "release_model",
-        "platform_healthcheck", "cluster_preflight", "reliability_probe", "deadline_probe", "slurm_reconciler")
+        "platform_healthcheck", "cluster_preflight", "reliability_probe", "deadline_probe", "slurm_reconciler",
+        "cluster_utilization")
 DRY_RUN = ("nightly_training", "workload_router")
 # Valid values for params without a default, so that a refusal names the bad param; Slurm knows no such job.
 REQUIRED = {"oncall_training_job": '"job_id": "999999999", "reason": "params api test"',
@@ -33,6 +34,13 @@ EXTRA = "Additional properties are not allowed"
 
 # (dag_id, conf as JSON text, param, nested field or None, what the refusal says)
 REFUSED = [
+    # days: only YYYY-MM-DD or empty, nothing around it (the task refuses a day that is not in the calendar)
+    ("cluster_utilization", '{"start_day": "2026-12-06; rm -rf /"}', "start_day", None, NO_MATCH),
+    ("cluster_utilization", '{"start_day": "2026-12-6"}', "start_day", None, NO_MATCH),
+    ("cluster_utilization", '{"start_day": "2026-12-06\\n"}', "start_day", None, NO_MATCH),
+    ("cluster_utilization", '{"end_day": "../../etc"}', "end_day", None, NO_MATCH),
+    ("cluster_utilization", '{"start_day": 20261206}', "start_day", None, NOT_STR),
+    ("cluster_utilization", '{"end_day": null}', "end_day", None, NOT_STR),
     # integers: floats, huge, non-finite, out of range, wrong types
     ("nightly_training", '{"gpus": 1.0}', "gpus", None, NOT_INT),
     ("nightly_training", '{"epochs": 1e2}', "epochs", None, NOT_INT),
@@ -151,6 +159,8 @@ ACCEPTED_BY_SCHEMA = [
     ("reliability_probe", {"sleep_s": 600}),
     ("deadline_probe", {"sleep_s": 1}),
     ("slurm_reconciler", {"dry_run": True, "grace_s": 0, "dag_ids": ["nightly_training", "workload_router"]}),
+    ("cluster_utilization", {"start_day": "2026-11-01", "end_day": "2026-12-01"}),
+    ("cluster_utilization", {"start_day": "", "end_day": ""}),
 ]
 
 
