@@ -21,6 +21,7 @@ from hybridflow.layout import StorageLayout
 
 MAX_RANGE_DAYS = 92
 HISTORY_DAYS = 30
+MAX_DAGS_DRAWN = 7
 log = logging.getLogger(__name__)
 
 
@@ -149,6 +150,9 @@ def _chart(title: str, days: Sequence[str], series: Mapping[str, Sequence[float 
            stacked: bool = False, line: float | None = None, line_label: str = "") -> str:
     """One bar chart as inline SVG: a bar per day (grouped per series, or stacked), a labelled y axis, an
     optional horizontal line (the target). Days with no figure draw no bar."""
+    if all(value is None for values in series.values() for value in values):
+        return (f'<figure><figcaption>{html.escape(title)}</figcaption><p class="not-measured">Not measured on '
+                f'these days (the table says why).</p></figure>')
     totals = [sum(v or 0 for v in values) for values in zip(*series.values(), strict=True)] if stacked else [
         max((v or 0 for v in values), default=0) for values in zip(*series.values(), strict=True)]
     top = max([*totals, line or 0, 1e-9]) * 1.1
@@ -205,12 +209,15 @@ def partition_section(partition: str, rows: Sequence[Mapping], target: float) ->
     days = [row["day"] for row in rows]
     dags = sorted({name for row in rows for name in row.get("by_dag", {})},
                   key=lambda name: -sum(row.get("by_dag", {}).get(name, 0) for row in rows))
+    by_dag = {name: [row.get("by_dag", {}).get(name) for row in rows] for name in dags[:MAX_DAGS_DRAWN]}
+    if len(dags) > MAX_DAGS_DRAWN:  # the rest as one bar: a chart of 40 colours reads as none
+        by_dag[f"{len(dags) - MAX_DAGS_DRAWN} other DAGs"] = [
+            sum(row.get("by_dag", {}).get(name, 0) for name in dags[MAX_DAGS_DRAWN:]) or None for row in rows]
     charts = [
         _chart("Utilization per day (allocated / available GPU-hours)", days,
                {"utilization": [row.get("utilization") for row in rows]}, unit="", line=target,
                line_label=f"target {target:.0%}"),
-        _chart("GPU-hours by DAG", days, {name: [row.get("by_dag", {}).get(name) for row in rows] for name in dags}
-               or {"none": [0.0] * len(rows)}, unit="GPU-h", stacked=True),
+        _chart("GPU-hours by DAG", days, by_dag or {"none": [0.0] * len(rows)}, unit="GPU-h", stacked=True),
         _chart("Queue wait of GPU jobs (p50, p95)", days,
                {"p50": [row.get("queue_wait_p50_s") for row in rows],
                 "p95": [row.get("queue_wait_p95_s") for row in rows]}, unit="s"),

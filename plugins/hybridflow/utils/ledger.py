@@ -5,7 +5,7 @@ one day (the window ``[start, end)``):
 
 - available GPU-hours: every node's GPUs x the window, less the time Slurm's node events say it was down or
   drained (``sacctmgr show event``; overlapping events of a node counted once);
-- allocated GPU-hours: every job's GPUs x the part of its run inside the window (``sacct -a -X -D``: each run of a
+- allocated GPU-hours: every job's GPUs x the part of its run inside the window (``sacct -a -D``: each run of a
   requeued job counts; a job still running counts up to the window's end);
 - utilization = allocated / available, idle = available - allocated;
 - the allocated hours split by DAG and by task (the job comment's key, :class:`SlurmJobKey`), by user, and the
@@ -28,7 +28,8 @@ from hybridflow.utils.efficiency import NO_GATHERING
 from hybridflow.utils.slurm import _gpus_from_tres, _parse_duration, _parse_int, _parse_timestamp, _parse_tres
 from hybridflow.utils.slurm_jobs import SlurmJobKey
 
-# sacct -a -X -D -P -n -r <partition> -S <start> -E <end> --format=<LEDGER_JOBS_FORMAT>
+# sacct -a -D -P -n -r <partition> -S <start> -E <end> --format=<LEDGER_JOBS_FORMAT>   (no -X: with it, a job's
+# TotalCPU is 0 rather than the sum of its steps; the step lines are skipped)
 LEDGER_JOBS_FORMAT = "JobID,User,Partition,State,Submit,Start,End,ElapsedRaw,TotalCPU,AllocCPUS,AllocTRES,Comment"
 # sacctmgr -P -n show event Start=<start> End=<end> Nodes=<nodes> format=<NODE_EVENTS_FORMAT>
 NODE_EVENTS_FORMAT = "NodeName,TimeStart,TimeEnd,State,Reason"
@@ -36,7 +37,7 @@ OUTSIDE_SUITE = "(not the suite's)"
 
 
 def ledger_jobs_argv(partition: str, start: datetime, end: datetime) -> list[str]:
-    return ["sacct", "-a", "-X", "-D", "-P", "-n", "-r", partition, "-S", start.isoformat(timespec="seconds"),
+    return ["sacct", "-a", "-D", "-P", "-n", "-r", partition, "-S", start.isoformat(timespec="seconds"),
             "-E", end.isoformat(timespec="seconds"), f"--format={LEDGER_JOBS_FORMAT}"]
 
 
@@ -67,6 +68,8 @@ def parse_ledger_jobs(stdout: str) -> list[LedgerJob]:
         if len(fields) != len(LEDGER_JOBS_FORMAT.split(",")):
             raise SlurmOutputParseError(f"expected the fields {LEDGER_JOBS_FORMAT}: {line!r}")
         job_id, user, _partition, _state, submit, start, end, elapsed, total_cpu, cpus, tres, comment = fields
+        if "." in job_id:
+            continue  # a step (batch, extern, srun): its job's line holds the totals
         started = _parse_timestamp(start)
         if started is None:
             continue

@@ -100,6 +100,13 @@ def test_the_page_charts_each_partition_and_escapes_what_slurm_reported():
     assert "<script>" not in page and "&lt;script&gt;" in page
     assert "2026-12-05 (so far)" in page and "not measured" in page and "no GPU job ended" in page
     assert "No stored days yet" in page  # the partition without rows
+    quiet = page_html({"gpu": [row("2026-12-05", 0.2, cpu_efficiency=None)]}, target=0.6, alert_days=3)
+    # no empty charts: this day has no queue waits and no CPU efficiency
+    assert quiet.count('<svg role="img"') == 2 and quiet.count("Not measured on these days") == 2
+    busy = page_html({"gpu": [row("2026-12-05", 0.2, by_dag={f"dag{n}": float(n) for n in range(1, 11)})]}, 0.6, 3)
+    # the 7 largest, then the rest as one
+    assert "</span> dag10 " in busy and "</span> dag4 " in busy and "</span> dag3 " not in busy
+    assert "</span> 3 other DAGs " in busy
     assert "Where training jobs" not in page  # no job wrote a split
 
 

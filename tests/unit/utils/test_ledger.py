@@ -32,7 +32,10 @@ JOBS = "\n".join([
     "105|mlops|gpu|COMPLETED|2026-12-06T10:00:00|2026-12-06T11:00:00|2026-12-06T12:00:00|3600|01:00:00|2|cpu=2,node=1|",
     f"106|mlops|gpu|NODE_FAIL|2026-12-06T04:58:00|2026-12-06T05:00:00|2026-12-06T05:30:00|1800|00:30:00|2|cpu=2,gres/gpu=2,node=1|{NIGHTLY}",
     f"106|mlops|gpu|COMPLETED|2026-12-06T05:30:00|2026-12-06T06:00:00|2026-12-06T07:00:00|3600|01:30:00|2|cpu=2,gres/gpu=2,node=1|{NIGHTLY}",
-    "107|carol|gpu|CANCELLED|2026-12-06T07:00:00|None|2026-12-06T08:00:00|0|00:00:00|0||",  # never started
+    "107|carol|gpu|CANCELLED|2026-12-06T07:00:00|None|2026-12-06T08:00:00|0|00:00:00|0||",
+    # a step of 101: its job's line already holds the totals
+    "101.batch||gpu|COMPLETED|2026-12-06T01:00:00|2026-12-06T01:00:00|2026-12-06T03:00:00|7200|04:00:00|4|"
+    "cpu=4,gres/gpu=2,node=1|",  # never started
 ])
 EVENTS = "\n".join([
     "gpu-node-02|2026-12-06T12:00:00|2026-12-06T14:00:00|DOWN|Not responding",
@@ -90,5 +93,5 @@ def test_unreadable_accounting_is_an_error(bad):
 
 
 def test_the_commands_select_the_partition_and_the_day():
-    assert ledger_jobs_argv("gpu", *DAY)[1:9] == ["-a", "-X", "-D", "-P", "-n", "-r", "gpu", "-S"]
+    assert ledger_jobs_argv("gpu", *DAY)[1:8] == ["-a", "-D", "-P", "-n", "-r", "gpu", "-S"]
     assert "Nodes=gpu-node-01,gpu-node-02" in node_events_argv(NODES, *DAY)
