@@ -289,6 +289,7 @@ def run_ledger(config, params: Mapping, run_after: datetime) -> list[dict]:
     from airflow.sdk.exceptions import AirflowFailException
 
     from hybridflow.hooks.slurm import SlurmHook
+    from hybridflow.utils.reconcile import CLUSTER_CLOCK_ARGV, parse_cluster_clock
 
     try:
         days = days_from_params(params, run_after.date())
@@ -296,7 +297,7 @@ def run_ledger(config, params: Mapping, run_after: datetime) -> list[dict]:
         raise AirflowFailException(f"{error}. Nothing was computed.") from None
     hook = SlurmHook(config.cluster.ssh_conn_id)
     try:
-        now = datetime.fromtimestamp(float(hook.run(["date", "+%s"]).stdout.strip()))  # the cluster's clock
+        now = datetime.fromtimestamp(parse_cluster_clock(hook.run(list(CLUSTER_CLOCK_ARGV)).stdout))  # its clock
         return compute_days(hook, config.storage.layout, config.utilization.partitions, days, now)
     finally:
         hook.close()

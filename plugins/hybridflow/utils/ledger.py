@@ -17,7 +17,6 @@ one day (the window ``[start, end)``):
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from datetime import datetime
 
 from hybridflow.exceptions import SlurmOutputParseError
 from hybridflow.utils.efficiency import NO_GATHERING
+from hybridflow.utils.latency import percentile
 from hybridflow.utils.slurm import _gpus_from_tres, _parse_duration, _parse_int, _parse_timestamp, _parse_tres
 from hybridflow.utils.slurm_jobs import SlurmJobKey
 
@@ -112,14 +112,6 @@ def _down_seconds(events: list[tuple[datetime, datetime | None]], window: tuple[
     return total
 
 
-def _percentile(values: list[float], share: float) -> float | None:
-    """The nearest-rank percentile (a value that occurred, never interpolated); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(math.ceil(share * len(ordered)) - 1, 0)]
-
-
 def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: Mapping[str, int],
                   jobs: Iterable[LedgerJob], node_events: Iterable[tuple[str, datetime, datetime | None]],
                   gpu_busy: Mapping[str, float] | None = None,
@@ -186,8 +178,8 @@ def partition_day(partition: str, window: tuple[datetime, datetime], node_gpus: 
         "busy_gpu_hours": round(busy, 4) if measured else None,
         "measured_gpu_hours": round(measured, 4),
         "jobs": counted,
-        "queue_wait_p50_s": _percentile(waits, 0.50),
-        "queue_wait_p95_s": _percentile(waits, 0.95),
+        "queue_wait_p50_s": percentile(waits, 50) if waits else None,
+        "queue_wait_p95_s": percentile(waits, 95) if waits else None,
         "cpu_efficiency": cpu_efficiency,
         "by_dag": rounded(by_dag), "by_task": rounded(by_task), "by_user": rounded(by_user),
         "outside_suite_gpu_hours": round(by_dag.get(OUTSIDE_SUITE, 0.0), 4),
