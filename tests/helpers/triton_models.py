@@ -144,8 +144,15 @@ DEPLOY_DAG = textwrap.dedent('''
 ''')
 
 
+# The latency gate's budget in tests that are not about latency. On two cores shared with the whole stack, a
+# 200-request sample's p99 once reached 440 ms while p50 was 8 ms (CI 2026-12-06): the product's 50 ms would fail
+# a good version for the machine's load, not the model's speed.
+LOADED_MACHINE_SLO_P99_MS = 1000
+
+
 def deploy_dag(dag_id: str, export_dir: Path, model: str, repository: str, gate_requests: int = 200,
-               readiness_timeout_s: float = 120, slo_p99_ms: float = 50, release: dict | None = None) -> str:
+               readiness_timeout_s: float = 120, slo_p99_ms: float = LOADED_MACHINE_SLO_P99_MS,
+               release: dict | None = None) -> str:
     """The source of DAG ``dag_id``: one TritonDeployOperator task ``deploy`` of ``export_dir`` as ``model``;
     ``release``: :class:`~hybridflow.config.ReleaseConfig`'s fields (default: direct, promoted after the gates)."""
     return DEPLOY_DAG.format(dag_id=dag_id, export_dir=export_dir, model=model, repository=repository,

@@ -268,8 +268,19 @@ def test_slurm_poller_reuses_one_connection_and_retries_transient_ssh_errors(sta
             return real_open_session(transport, *args, **kwargs)
 
         monkeypatch.setattr(paramiko.Transport, "open_session", slow_channel)
+        # The product's hook gives up a channel that does not open and runs the command on a fresh connection,
+        # exactly once; the poller sees no failure.
+        marker = f"/tmp/hf-channel-once-{uuid.uuid4().hex[:8]}"
+        assert poller.run(["sh", "-c", 'echo ran >> "$1"', "append", marker]).returncode == 0
+        assert poller.retries == 0 and poller.hook.ssh_hook.client is not first, "not reopened on a new connection"
+        assert poller.run(["cat", "--", marker]).stdout == "ran\n", "the command ran twice or not at all"
+        poller.run(["rm", "-f", "--", marker])
+
+        # Twice in a row is the hook's clear error, which the poller retries on a fresh connection.
+        failures = iter([paramiko.SSHException("Timeout opening channel.")] * 2)
+        second = poller.hook.ssh_hook.client
         assert poller.run(["squeue", "--noheader"]).returncode == 0
-        assert poller.retries == 1 and poller.hook.ssh_hook.client is not first, "not retried on a new connection"
+        assert poller.retries == 1 and poller.hook.ssh_hook.client is not second, "not retried on a new connection"
 
         poller.hook.ssh_hook.client.get_transport().close()  # the session dropped under the poller
         assert poller.run(["squeue", "--noheader"]).returncode == 0

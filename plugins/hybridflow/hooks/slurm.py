@@ -69,6 +69,7 @@ class SlurmHook(BaseHook):
     default_conn_name = "slurm_ssh"
     conn_type = "ssh"
     hook_name = "Slurm over SSH"
+    CHANNEL_OPEN_TIMEOUT_S = 30.0
 
     def __init__(self, ssh_conn_id: str = default_conn_name, conn_retry_attempts: int = 2, timeout_s: float = 120):
         super().__init__()
@@ -145,14 +146,36 @@ class SlurmHook(BaseHook):
         """Run one command (argv, quoted here) and return its exit code and output; data goes on stdin."""
         if not argv:
             raise ValueError("argv must name a command")
-        client = self.get_conn()
-        stdin_f, stdout_f, stderr_f = client.exec_command(shlex.join(argv), timeout=timeout_s or self.timeout_s)
-        if stdin is not None:
-            stdin_f.write(stdin)
-        stdin_f.channel.shutdown_write()
-        stdout = stdout_f.read().decode(errors="replace")
-        stderr = stderr_f.read().decode(errors="replace")
-        return RemoteResult(stdout_f.channel.recv_exit_status(), stdout, stderr)
+        channel = self._exec(argv, timeout_s or self.timeout_s)
+        with channel:
+            if stdin is not None:
+                channel.sendall(stdin.encode())
+            channel.shutdown_write()
+            stdout = channel.makefile("rb").read().decode(errors="replace")
+            stderr = channel.makefile_stderr("rb").read().decode(errors="replace")
+            return RemoteResult(channel.recv_exit_status(), stdout, stderr)
+
+    def _exec(self, argv: Sequence[str], timeout_s: float):
+        """A channel running ``argv``. A channel that does not open within :attr:`CHANNEL_OPEN_TIMEOUT_S` on the
+        cached connection (one held idle through a deferral once stalled there for the whole command timeout) is
+        given up with its connection and opened once more on a fresh one: nothing ran on the first."""
+        import paramiko
+
+        for attempt in (1, 2):
+            transport = self.get_conn().get_transport()
+            try:
+                channel = transport.open_session(timeout=self.CHANNEL_OPEN_TIMEOUT_S)
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                self.close()
+                if attempt == 2:
+                    raise SlurmConnectionError(f"SSH to {self.endpoint} opened no channel twice, on a fresh "
+                                               f"connection too ({exc}); check the login node's sshd") from exc
+                self.log.warning("SSH channel to %s did not open (%s); opening a fresh connection", self.endpoint, exc)
+                continue
+            channel.settimeout(timeout_s)
+            channel.exec_command(shlex.join(argv))
+            return channel
+        raise AssertionError("unreachable")
 
     def submit(self, script: str) -> str:
         """sbatch the script (sent on stdin, never on the command line); returns the job id."""
@@ -272,10 +295,10 @@ class SlurmHook(BaseHook):
 
     def read_bytes(self, path: str) -> bytes | None:
         """A file's bytes (a model), or None when it cannot be read."""
-        client = self.get_conn()
-        _, stdout_f, _ = client.exec_command(shlex.join(["cat", "--", path]), timeout=self.timeout_s)
-        content = stdout_f.read()
-        return content if stdout_f.channel.recv_exit_status() == 0 else None
+        with self._exec(["cat", "--", path], self.timeout_s) as channel:
+            channel.shutdown_write()
+            content = channel.makefile("rb").read()
+            return content if channel.recv_exit_status() == 0 else None
 
     def remove(self, path: str) -> None:
         self.run(["rm", "-f", "--", path])
