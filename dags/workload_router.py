@@ -32,13 +32,11 @@ from hybridflow.dag_defaults import DEFAULT_ARGS, spark_submit_defaults
 from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
 from hybridflow.params import closed_object, number, strict_params, workload_config
+from hybridflow.pipeline.router_tasks import BRANCHES, RUNBOOK
 from hybridflow.pipeline.routing import PROFILE_METRICS, routing_rules
 
 config = pipeline_config()
 rules = routing_rules()
-RUNBOOK = "include/runbooks/workload-router.md"
-BRANCHES = {"spark": "run_on_cpu_spark", "slurm_gpu": "run_on_gpu_slurm", "slurm_cpu": "run_on_cpu_slurm",
-            "triton": "serve_on_triton"}
 CONFIG_FIELDS = "; ".join(
     f"{name}: {', '.join(f.describe() for f in workload.fields.values()) or 'none'}"
     for name, workload in rules.workloads.items())
@@ -70,52 +68,15 @@ with DAG(
 
     @task(multiple_outputs=True)
     def route(params=None, run_id=None) -> dict:
-        from airflow.sdk.exceptions import AirflowFailException
-        from hybridflow.exceptions import HybridflowError, WorkloadSpecError
-        from hybridflow.paths import jobs_dir
-        from hybridflow.pipeline.nightly_tasks import model_of_record
-        from hybridflow.pipeline.routing import WorkloadSpec, plan_job, preset_router, triton_deploy_plan
-        from hybridflow.pipeline.routing import route as decide
+        from hybridflow.pipeline.router_tasks import route_workload
 
-        try:  # a refused spec is refused again on retry: fail at once
-            decision = decide(WorkloadSpec.from_params(params), rules, preset_router(config))
-        except WorkloadSpecError as exc:
-            raise AirflowFailException(f"workload refused: {exc}. Runbook: {RUNBOOK}") from exc
-        run_dir = config.storage.layout.router_run_dir(run_id)
-        job = plan_job(decision, rules, {
-            "storage_root": lambda: config.storage.root,
-            "run_dir": lambda: run_dir,
-            "cluster_python": lambda: config.cluster.python,
-            "cluster_jobs_dir": lambda: config.cluster.jobs_dir,
-            "model_path": lambda: model_of_record(config)["model_path"],
-            "model_version": lambda: model_of_record(config)["version"],
-        })
-        deploy = None
-        if decision.target == "triton":
-            try:
-                deploy = triton_deploy_plan(decision, model_of_record(config), config.serving)
-            except HybridflowError as exc:  # no model of record yet: nothing to deploy, retrying cannot help
-                raise AirflowFailException(f"{exc}. Runbook: {RUNBOOK}") from exc
-        print(f"Routing decision: {decision.reason} (rule: {decision.rule}); "
-              f"{'deployment: ' + deploy['summary'] if deploy else f'job: {job}'}")
-        return {
-            "decision": decision.as_dict(),
-            "deploy": deploy,
-            "triton_export_dir": deploy["export_dir"] if deploy else None,
-            "run_dir": run_dir,
-            "spark_application": str(jobs_dir() / job.application) if job and job.application else None,
-            "spark_args": list(job.args) if job else [],
-            "slurm_command": list(job.command) if job else [],
-        }
+        return route_workload(config, rules, params, run_id)
 
     @task.branch
     def choose_side(decision: dict, deploy: dict | None, params=None) -> str | None:
-        branch = BRANCHES[decision["target"]]
-        if params["dry_run"]:
-            what = f": {deploy['summary']}" if deploy else ""
-            print(f"dry run: {decision['reason']}; would run {branch}{what}; runs nothing")
-            return None
-        return branch
+        from hybridflow.pipeline.router_tasks import choose_side
+
+        return choose_side(decision, deploy, params["dry_run"])
 
     routed = route()
     chosen = choose_side(routed["decision"], routed["deploy"])
