@@ -49,6 +49,9 @@ class ClusterConfig:
     jobs_dir: str
     max_requeues: int = 3
     poll_interval_s: float = 10.0
+    # How long a wait in the triggerer (a job, capacity, a checkpoint) rides out an unreachable login node before
+    # it gives up; the job runs on either way.
+    reconnect_budget_s: float = 300.0
 
 
 @dataclass(frozen=True)

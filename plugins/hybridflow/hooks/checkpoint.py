@@ -22,6 +22,7 @@ class CheckpointStore(Protocol):
     def step_dirs(self) -> list[str]: ...
     def manifest_text(self, name: str) -> str | None: ...
     def observe(self, name: str, paths: list[str], with_hashes: bool) -> tuple[dict, dict | None]: ...
+    def close(self) -> None: ...
 
 
 class SshCheckpointStore:
@@ -44,6 +45,9 @@ class SshCheckpointStore:
         hashes = parse_sha256sum(self.hook.run(["sha256sum", "--", *files]).stdout, base) if with_hashes else None
         return sizes, hashes
 
+    def close(self) -> None:
+        self.hook.close()
+
 
 class S3CheckpointStore:
     """Checkpoints uploaded to S3 under ``s3://bucket/prefix/step_<n>/``."""
@@ -64,6 +68,9 @@ class S3CheckpointStore:
         sizes = {key[len(base):]: size for key, size in self.hook.list_keys(self.bucket, base)}
         hashes = {p: self.hook.sha256(self.bucket, base + p) for p in paths if p in sizes} if with_hashes else None
         return sizes, hashes
+
+    def close(self) -> None:
+        pass  # boto3 pools its connections per client
 
 
 def open_store(root: str, ssh_conn_id: str = "slurm_ssh", storage_conn_id: str = "storage_s3") -> CheckpointStore:

@@ -99,7 +99,7 @@ class SlurmSubmitOperator(BaseOperator):
         setup_lines: Sequence[str] = (),
         progress_path: str = "",
         poll_interval_s: float = ClusterConfig.poll_interval_s,
-        reconnect_budget_s: float = 300.0,
+        reconnect_budget_s: float = ClusterConfig.reconnect_budget_s,
         log_tail_lines: int = 40,
         runbook: str = DEFAULT_RUNBOOK,
         deferrable: bool = True,

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseSensorOperator, PokeReturnValue, conf
 from airflow.sdk.exceptions import AirflowSensorTimeout
 
+from hybridflow.exceptions import HybridflowError
+
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
@@ -57,6 +59,8 @@ class CheckpointSensor(BaseSensorOperator):
         )
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
+        if event.get("status") == "error":  # the store was unreachable: a retry may find it again
+            raise HybridflowError(f"{event.get('message')}. Runbook: include/runbooks/training.md")
         if event.get("status") != "found":
             raise AirflowSensorTimeout(f"{event.get('message', event)}. Runbook: include/runbooks/training.md")
         self.log.info("complete checkpoint %s (step %d)", event["name"], event["step"])

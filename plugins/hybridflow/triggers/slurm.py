@@ -54,7 +54,7 @@ class SlurmJobTrigger(BaseTrigger):
         max_requeues: int = ClusterConfig.max_requeues,
         poll_interval_s: float = ClusterConfig.poll_interval_s,
         min_poll_interval_s: float = 1.0,
-        reconnect_budget_s: float = 300.0,
+        reconnect_budget_s: float = ClusterConfig.reconnect_budget_s,
         progress_path: str = "",
         progress_every_s: float = 30.0,
         heartbeat_dir: str = "",
@@ -262,7 +262,8 @@ class SlurmCapacityTrigger(BaseTrigger):
     """Waits until the partition can start a job of the given shape; yields ``{"status": "ready", ...}``."""
 
     def __init__(self, partition: str, gpus_per_node: int, nodes: int, ssh_conn_id: str, poke_interval_s: float = 30,
-                 reconnect_budget_s: float = 300.0, timeout_s: float = 6 * 3600, started_at: float | None = None):
+                 reconnect_budget_s: float = ClusterConfig.reconnect_budget_s, timeout_s: float = 6 * 3600,
+                 started_at: float | None = None):
         super().__init__()
         # Wall-clock start survives a triggerer restart through serialize(), so the deadline does not move.
         self.started_at = started_at if started_at is not None else time.time()
