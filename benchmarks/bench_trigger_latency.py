@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import statistics
 import sys
-from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from airflow_api import local_api, trigger, wait_for_run  # noqa: E402
+from airflow_session import local_airflow  # noqa: E402
 
 DAG_ID = "platform_healthcheck"
 TASK_ID = "slurm_gpu_job"
@@ -35,17 +34,16 @@ def job_ended_at(stdout_path: str) -> float:
 
 
 def main(runs: int = 10, hold_s: int = 0) -> dict:
-    api = local_api()
+    airflow = local_airflow()
     latencies = []
     for i in range(runs):
-        run_id = trigger(api, DAG_ID, {"run_spark": False, "hold_s": hold_s})
-        state = wait_for_run(api, DAG_ID, run_id, timeout_s=300)
+        run_id = airflow.trigger(DAG_ID, {"run_spark": False, "hold_s": hold_s})
+        state = airflow.wait_for_run(DAG_ID, run_id, timeout_s=300)
         if state != "success":
             raise RuntimeError(f"{DAG_ID} run {run_id} ended {state}; see the Airflow UI")
-        base = f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{TASK_ID}"
-        ti = api.get(base)
-        result = api.get(f"{base}/xcomEntries/return_value")["value"]
-        latency = datetime.fromisoformat(ti["end_date"]).timestamp() - job_ended_at(result["stdout_path"])
+        ti = airflow.task_instances.get_task_instance(DAG_ID, run_id, TASK_ID)
+        result = airflow.xcom(DAG_ID, run_id, TASK_ID)
+        latency = ti.end_date.timestamp() - job_ended_at(result["stdout_path"])
         latencies.append(latency)
         print(f"run {i + 1}/{runs}: job {result['job_id']} end -> task success {latency:.2f} s", flush=True)
     figures = {"runs": runs, "hold_s": hold_s, "median_s": round(statistics.median(latencies), 2),

@@ -28,7 +28,8 @@ import urllib.request
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
-from airflow_api import STATE, AirflowApi, local_api, trigger
+from airflow_api import STATE
+from airflow_session import Airflow, local_airflow
 
 NIGHTLY = "nightly_training"
 DEMO_GPUS = 2
@@ -94,39 +95,31 @@ def release_lines(deploy: dict) -> list[str]:
     return lines
 
 
-def follow(api: AirflowApi, dag_id: str, run_id: str, timeout_s: float) -> str:
+def follow(airflow: Airflow, dag_id: str, run_id: str, timeout_s: float) -> str:
     seen: dict[str, str] = {}
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
-        tis = api.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
-        for ti in sorted(tis, key=lambda t: t.get("start_date") or "~"):
-            state = ti.get("state") or "none"
-            if seen.get(ti["task_id"]) != state:
-                seen[ti["task_id"]] = state
-                took = f" ({ti['duration']:.1f} s)" if ti.get("duration") else ""
-                print(f"[{time.monotonic() - started:6.1f} s] {ti['task_id']:<40} {state}{took}", flush=True)
-        run = api.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")
-        if run["state"] in ("success", "failed"):
-            return run["state"]
+        tis = airflow.task_instances_of(dag_id, run_id)
+        for ti in sorted(tis, key=lambda t: t.start_date.isoformat() if t.start_date else "~"):
+            state = ti.state.value if ti.state else "none"
+            if seen.get(ti.task_id) != state:
+                seen[ti.task_id] = state
+                took = f" ({ti.duration:.1f} s)" if ti.duration else ""
+                print(f"[{time.monotonic() - started:6.1f} s] {ti.task_id:<40} {state}{took}", flush=True)
+        state = airflow.run_state(dag_id, run_id)
+        if state in ("success", "failed"):
+            return state
         time.sleep(2)
     raise RuntimeError(f"run {run_id} of {dag_id} did not finish within {timeout_s:.0f} s")
 
 
-def xcom(api: AirflowApi, dag_id: str, run_id: str, task_id: str, key: str = "return_value"):
-    try:
-        entry = api.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}")
-    except RuntimeError:
-        return None  # the task was skipped or returned nothing
-    return entry.get("value")
-
-
-def run_dag(api: AirflowApi, dag_id: str, conf: dict, timeout_s: float, logical_date: str | None = None) -> tuple:
-    run_id = trigger(api, dag_id, conf, logical_date=logical_date)
+def run_dag(airflow: Airflow, dag_id: str, conf: dict, timeout_s: float, logical_date: str | None = None) -> tuple:
+    run_id = airflow.trigger(dag_id, conf, logical_date=logical_date)
     print(f"triggered {dag_id} run {run_id}", flush=True)
-    return run_id, follow(api, dag_id, run_id, timeout_s)
+    return run_id, follow(airflow, dag_id, run_id, timeout_s)
 
 
-def ensure_fresh_preflight(api: AirflowApi, storage_root: str, timeout_s: float, nodes: int = 1,
+def ensure_fresh_preflight(airflow: Airflow, storage_root: str, timeout_s: float, nodes: int = 1,
                            gpus_per_node: int = DEMO_GPUS) -> None:
     """Training refuses a stale, failed or missing all-reduce preflight of its own topology: run it when needed."""
     if nodes * gpus_per_node == 1:
@@ -140,7 +133,7 @@ def ensure_fresh_preflight(api: AirflowApi, storage_root: str, timeout_s: float,
             return
     except (OSError, KeyError, ValueError):
         pass
-    _, state = run_dag(api, "cluster_preflight", {"nodes": nodes, "gpus_per_node": gpus_per_node}, timeout_s)
+    _, state = run_dag(airflow, "cluster_preflight", {"nodes": nodes, "gpus_per_node": gpus_per_node}, timeout_s)
     if state != "success":
         raise SystemExit("cluster_preflight failed: training would be refused; see its log "
                          "(runbook: include/runbooks/preflight.md)")
@@ -166,9 +159,9 @@ def sample_prediction(model_name: str, export_dir: str) -> str:
             f"{smoke['outputs'][0][0]:.4f}); latency median {sorted(timings)[10]:.2f} ms over 20 requests")
 
 
-def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str]:
+def nightly_summary(airflow: Airflow, run_id: str, storage_root: str) -> list[str]:
     def get(task_id: str):
-        return xcom(api, NIGHTLY, run_id, task_id) or {}
+        return airflow.xcom(NIGHTLY, run_id, task_id) or {}
 
     lines = []
     placement = get("preflight.plan").get("placement") or {}
@@ -206,7 +199,7 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
         lines.append(f"scoring: model of record {scoring.get('version')} -> {predictions}")
     # a release held for approval (deploy=ask) ends in finish_release, as the person decided
     deploy = (get("deploy.finish_release") or get("deploy.deploy_model")
-              or xcom(api, NIGHTLY, run_id, "deploy.deploy_model", "deploy_report") or {})
+              or airflow.xcom(NIGHTLY, run_id, "deploy.deploy_model", "deploy_report") or {})
     if deploy:
         latency = deploy.get("latency") or {}
         lines.append(f"serving: Triton model {deploy.get('model')} version {deploy.get('version')} "
@@ -224,14 +217,14 @@ def nightly_summary(api: AirflowApi, run_id: str, storage_root: str) -> list[str
     return lines
 
 
-def ledger_lines(api: AirflowApi, storage_root: str, timeout_s: float) -> list[str]:
+def ledger_lines(airflow: Airflow, storage_root: str, timeout_s: float) -> list[str]:
     """Today's GPU partition ledger so far (the cluster_utilization DAG), with the nightly run's jobs in it."""
     today = date.today().isoformat()
-    run_id, state = run_dag(api, "cluster_utilization", {"start_day": today}, timeout_s)
+    run_id, state = run_dag(airflow, "cluster_utilization", {"start_day": today}, timeout_s)
     if state != "success":
         return [f"ledger: cluster_utilization {state} (runbook: include/runbooks/utilization.md)"]
     lines = []
-    for item in xcom(api, "cluster_utilization", run_id, "ledger") or []:
+    for item in airflow.xcom("cluster_utilization", run_id, "ledger") or []:
         row = json.loads(Path(item["path"]).read_text())
         utilization = row["utilization"]
         top = ", ".join(f"{dag} {hours:.3f}" for dag, hours in list(row["by_dag"].items())[:3]) or "none"
@@ -239,7 +232,7 @@ def ledger_lines(api: AirflowApi, storage_root: str, timeout_s: float) -> list[s
                      f"{'not measured' if utilization is None else f'{utilization:.1%}'} of "
                      f"{row['available_gpu_hours']:.1f} available GPU-hours allocated "
                      f"({row['allocated_gpu_hours']:.3f}, {row['jobs']} jobs; by DAG: {top}); page: "
-                     f"{api.base_url}/hybridflow/utilization")
+                     f"{airflow.base_url}/hybridflow/utilization")
     return lines
 
 
@@ -253,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = json.loads((STATE / "airflow-env.json").read_text())
     storage_root = env.get("HYBRIDFLOW_STORAGE_ROOT", "/var/lib/hybridflow/storage")
-    api = local_api()
+    airflow = local_airflow()
     t0 = time.monotonic()
     logical_date = None
     conf = json.loads(args.conf)
@@ -262,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         # otherwise (device=auto would put the small preset on the CPU partition: pipeline.yaml placement).
         conf.setdefault("gpus", DEMO_GPUS)
         conf.setdefault("device", "gpu")
-        ensure_fresh_preflight(api, storage_root, args.timeout, conf.get("nodes", 1), conf["gpus"])
+        ensure_fresh_preflight(airflow, storage_root, args.timeout, conf.get("nodes", 1), conf["gpus"])
         ds = date.fromisoformat(args.ds) if args.ds else date.today() - timedelta(days=1)
         # A fresh timestamp on the requested day: the run's ds is that day, and a rerun is a new run of it.
         now = datetime.now(UTC)
@@ -272,17 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.dag == NIGHTLY:
         traffic.start()
     try:
-        run_id, state = run_dag(api, args.dag, conf, args.timeout, logical_date)
+        run_id, state = run_dag(airflow, args.dag, conf, args.timeout, logical_date)
     finally:
         traffic.stopped.set()
     print()
     print(f"{args.dag}: {state.upper()} in {time.monotonic() - t0:.0f} s")
     if args.dag == NIGHTLY:
-        for line in nightly_summary(api, run_id, storage_root) + ledger_lines(api, storage_root, args.timeout):
+        for line in nightly_summary(airflow, run_id, storage_root) + ledger_lines(airflow, storage_root, args.timeout):
             print(f"  {line}")
         answered = ", ".join(f"version {v}: {n}" for v, n in sorted(traffic.answers.items())) or "none"
         print(f"  client during the run: answers by {answered}; {traffic.failed} failed")
-    print(f"UI: {api.base_url}/dags/{args.dag}/runs/{run_id}  (login admin, password in "
+    print(f"UI: {airflow.base_url}/dags/{args.dag}/runs/{run_id}  (login admin, password in "
           f"{os.path.relpath(STATE / 'airflow' / 'passwords.json')})")
     print("The stack keeps running; `make down` stops it.")
     return 0 if state == "success" else 1

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from airflow_api import task_states, wait_for_run, xcom
+from airflow_session import local_airflow
 from demo import ensure_fresh_preflight
 from helpers.mlflow_server import Mlflow
 from helpers.partitions import manifest
@@ -109,7 +110,7 @@ def one_node_run(api, stack) -> dict:
     root = storage(stack)
     # Training refuses a missing or stale all-reduce preflight of its topology (a fresh stack has none): run it as
     # `make demo` does.
-    ensure_fresh_preflight(api, str(root), timeout_s=600, nodes=1, gpus_per_node=2)
+    ensure_fresh_preflight(local_airflow(), str(root), timeout_s=600, nodes=1, gpus_per_node=2)
     run_id = trigger(api, {"model_preset": "small", "device": "gpu", "deploy": "always", "nodes": 1, "gpus": 2}, DS)
     state = wait_for_run(api, DAG, run_id, timeout_s=900, poll_s=2)
     states = task_states(api, DAG, run_id)
@@ -216,7 +217,7 @@ def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each_through_a_control
     scoring runs; one `make up` each time. The run still succeeds with exactly one training job."""
     one_node = one_node_run["train"]["metrics"]
     root = storage(stack)
-    ensure_fresh_preflight(api, str(root), timeout_s=600, nodes=2, gpus_per_node=1)
+    ensure_fresh_preflight(local_airflow(), str(root), timeout_s=600, nodes=2, gpus_per_node=1)
     run_id = trigger(api, {"model_preset": "small", "device": "gpu", "train": "always", "deploy": "never", "nodes": 2,
                            "gpus": 1}, DS)
     wait_for_task(api, run_id, "training.train", {"deferred"})
