@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from hybridjobs import manifests, predictions, storage
+from hybridjobs.layout import SIGNATURE_FILE
 from hybridjobs.predictions import COLUMNS, DEFAULT_BATCH_SIZE, SCHEMA, ModelContractError
 
 __all__ = ["COLUMNS", "DEFAULT_BATCH_SIZE", "DEVICES", "PRECISION_CHOICES", "ModelContractError", "probe",
@@ -51,7 +52,7 @@ def resolve_device(requested: str | None = None) -> str:
 def model_precision(model_path: str) -> dict[str, Any] | None:
     """The export's bf16 check (``signature.json`` "precision"), or None for a model exported without one."""
     try:
-        signature = json.loads(Path(model_path).with_name("signature.json").read_text())
+        signature = json.loads(Path(model_path).with_name(SIGNATURE_FILE).read_text())
     except (OSError, ValueError):
         return None
     precision = signature.get("precision") if isinstance(signature, dict) else None
@@ -197,7 +198,7 @@ def run(root: str, ds: str, model_path: str, model_version: str, batch_size: int
 
 def model_width(model_path: str) -> int:
     """The model's number of input features, from the ``signature.json`` its export wrote beside it."""
-    signature = Path(model_path).with_name("signature.json")
+    signature = Path(model_path).with_name(SIGNATURE_FILE)
     try:
         return int(json.loads(signature.read_text())["n_features"])
     except (OSError, ValueError, KeyError, TypeError) as err:
