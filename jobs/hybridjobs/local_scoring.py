@@ -173,13 +173,15 @@ def run(root: str, ds: str, model_path: str, model_version: str, batch_size: int
     record = model_precision(model_path)
     precision = resolve_precision(precision, device, record)
     started = time.monotonic()
-    features_dir = storage.partition_dir(root, "features", ds)
+    storage.parse_ds(ds)  # checked once, before any path is built from it
+    partitions = storage.Partitions.under(root)
+    features_dir = partitions.dir("features", ds)
     features_manifest = storage.read_features_manifest(features_dir)
     feature_columns = list(features_manifest["feature_columns"])
     predictions.check_model(model_path, len(feature_columns), device)
     model = predictions.load_model(model_path, device)
 
-    target = storage.partition_dir(root, "predictions", ds)
+    target = partitions.dir("predictions", ds)
     staging = storage.new_staging_dir(target)
     staging.mkdir()
     sources = manifests.partition_files(features_dir)

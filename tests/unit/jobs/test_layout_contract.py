@@ -37,6 +37,7 @@ def test_both_layouts_name_the_same_dataset_paths(root, ds, dataset):
     assert mine.dataset(dataset) == theirs.dataset(dataset)
     assert mine.partition(dataset, ds) == theirs.partition(dataset, ds)
     assert Path(mine.partition(dataset, ds)) == storage.partition_dir(root, dataset, ds)
+    assert Path(mine.partition(dataset, ds)) == storage.Partitions.under(root).dir(dataset, ds)
 
 
 @pytest.mark.parametrize("root", ROOTS)
