@@ -81,6 +81,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the synthetic feature partitions of t
 
 from helpers.feature_partitions import FEATURES as JOB_FEATURES  # noqa: E402
 from helpers.feature_partitions import write_features  # noqa: E402
+from hybridflow.layout import CREDENTIALS_FILE, TrainingRunDir  # noqa: E402
 from hybridflow.utils.efficiency import describe_time_shares, time_shares  # noqa: E402
 from hybridtrain.config import DEFAULT_MODEL_PRESETS_PATH, deepspeed_settings_for_run, load_model_presets  # noqa: E402
 from hybridtrain.engine import init_engine  # noqa: E402
@@ -303,8 +304,8 @@ def _run_job(hook, stack: dict[str, str], run_config: dict, run_dir: str, *, ran
         jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], partition=partition, nodes=1, gpus_per_node=ranks,
         cpus_per_task=1, time_limit=max(5, int(timeout_s // 60) + 1), requeue=False, env=env,
     )
-    hook.run(["mkdir", "-p", "--", f"{run_dir}/logs"])
-    hook.write_text(f"{run_dir}/config.json", json.dumps({**op.run_config, "run_dir": run_dir}, indent=2))
+    hook.run(["mkdir", "-p", "--", TrainingRunDir(run_dir).logs])
+    hook.write_text(TrainingRunDir(run_dir).config, json.dumps({**op.run_config, "run_dir": run_dir}, indent=2))
     name = deterministic_job_name("bench", "training", f"{tag}-{label or f'ranks{ranks}'}")
     script = render_sbatch_script(op.build_spec(name))
     submitted = time.monotonic()
@@ -327,9 +328,9 @@ def _run_job(hook, stack: dict[str, str], run_config: dict, run_dir: str, *, ran
     if status.state != "COMPLETED":
         raise RuntimeError(f"Slurm job {job_id} ({ranks} ranks) ended {status.state} (exit {status.exit_code}); "
                            f"its log ends:\n{_job_log(hook, status)[-3000:]}")
-    metrics = json.loads(hook.read_text(f"{run_dir}/metrics.json") or "{}")
+    metrics = json.loads(hook.read_text(TrainingRunDir(run_dir).metrics) or "{}")
     if not metrics.get("samples_per_s"):
-        raise RuntimeError(f"Slurm job {job_id} COMPLETED without samples_per_s in {run_dir}/metrics.json")
+        raise RuntimeError(f"Slurm job {job_id} COMPLETED without samples_per_s in {TrainingRunDir(run_dir).metrics}")
     deepspeed = metrics.get("deepspeed") or {}
     allreduce = metrics.get("allreduce")
     if isinstance(allreduce, dict):
@@ -377,7 +378,6 @@ def _tracking_overhead(hook, stack: dict[str, str], run_config: dict, run_root: 
     """1-rank jobs of the same shape, alternating without and with live MLflow tracking (rank 0 logging to the
     stack's real server, as a tracked nightly job does); the median rows/s of each side and their ratio."""
     from hybridflow.hooks.mlflow import MlflowHook
-    from hybridflow.utils.mlflow_tracking import CREDENTIALS_FILE
 
     mlflow = MlflowHook()
     experiment_id = mlflow.experiment_id("bench-tracking-overhead")
@@ -391,7 +391,7 @@ def _tracking_overhead(hook, stack: dict[str, str], run_config: dict, run_root: 
                 if side == "tracked":
                     run = mlflow.create_run(experiment_id, f"bench-{pair}", {}, int(time.time() * 1000))
                     hook.run(["mkdir", "-p", "--", run_dir])
-                    hook.write_private(f"{run_dir}/{CREDENTIALS_FILE}", json.dumps(mlflow.job_credentials()))
+                    hook.write_private(TrainingRunDir(run_dir).credentials, json.dumps(mlflow.job_credentials()))
                     config["tracking"] = {"uri": mlflow.tracking_uri_on_cluster, "run_id": run["info"]["run_id"],
                                           "credentials_file": CREDENTIALS_FILE}
                 result = _run_job(hook, stack, config, run_dir, ranks=1, label=f"tracking-{pair}-{side}", **job)

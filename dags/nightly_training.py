@@ -31,6 +31,7 @@ from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOpe
 from airflow.sdk import DAG, Asset, Param, TaskGroup, task
 from hybridflow.config import DEPLOY_MODES, DEVICES, model_preset_names, pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS, run_deadline, spark_submit_defaults
+from hybridflow.layout import TrainingRunDir
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, approval_tasks, deploy_kwargs
@@ -49,10 +50,15 @@ MODEL = Asset(name="hybridflow_model_of_record", uri=f"file://{layout.model_dir(
 PREDICTIONS = Asset(name="hybridflow_predictions", uri=f"file://{layout.dataset('predictions')}")
 
 
-def prepared_value(key: str, suffix: str = "") -> str:
+def prepared_value(key: str) -> str:
     """A template for one field of training.prepare's result (a dict field renders as JSON)."""
     rendered = "| tojson " if key == "run_config" else ""
-    return "{{ ti.xcom_pull(task_ids='training.prepare')['" + key + "'] " + rendered + "}}" + suffix
+    return "{{ ti.xcom_pull(task_ids='training.prepare')['" + key + "'] " + rendered + "}}"
+
+
+# The run directory prepare chose (its generation's), as a template: a member only appends its name, so it renders
+# to that member of the rendered directory.
+PREPARED_RUN = TrainingRunDir(prepared_value("run_dir"))
 
 
 def planned_placement(key: str, before: str) -> str:
@@ -201,7 +207,7 @@ with DAG(
         train = DeepSpeedTrainingOperator(
             task_id="train",
             run_config=prepared_value("run_config"),
-            run_dir=prepared_value("run_dir"),
+            run_dir=PREPARED_RUN.root,
             python=cluster.python,
             jobs_dir=cluster.jobs_dir,
             partition=planned_placement("partition", repr(cluster.partition)),
@@ -226,7 +232,7 @@ with DAG(
     with TaskGroup("checkpoint", tooltip="a complete checkpoint, manifest verified") as checkpoint:
         verified = CheckpointSensor(
             task_id="verified_checkpoint",
-            checkpoint_root=prepared_value("run_dir", "/checkpoints"),
+            checkpoint_root=PREPARED_RUN.checkpoints,
             min_step="{{ ti.xcom_pull(task_ids='training.train')['metrics']['step'] }}",
             ssh_conn_id=cluster.ssh_conn_id, mode="poke", poke_interval=10, timeout=600,
         )
@@ -239,14 +245,14 @@ with DAG(
             command=[cluster.python, f"{cluster.jobs_dir}/evaluate.py",
                      "--features-root", layout.dataset("features"),
                      "--ds", prepared_value("train_ds"),
-                     "--challenger", prepared_value("run_dir", "/export/model.pt"),
+                     "--challenger", PREPARED_RUN.model,
                      "--champion", prepared_value("champion_model"),
-                     "--out", prepared_value("run_dir", "/evaluation.json")],
+                     "--out", PREPARED_RUN.evaluation],
             # CPU or GPU by the pair's scoring cost (prepare decided it: pipeline.yaml placement.evaluation)
             partition=prepared_or("eval_partition", "'cpu'"), gpus_per_node=prepared_or("eval_gpus", "0"),
             hide_gpus_without_gres=True,
             cpus_per_task=1, time_limit=15, requeue=False, signal=None,
-            log_dir=prepared_value("run_dir", "/logs"),
+            log_dir=PREPARED_RUN.logs,
             ssh_conn_id=cluster.ssh_conn_id, poll_interval_s=3,
             runbook="include/runbooks/evaluation.md",
         )

@@ -29,6 +29,7 @@ from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOpe
 from airflow.sdk import DAG, Param, task
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS, spark_submit_defaults
+from hybridflow.layout import LOGS_DIR
 from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
 from hybridflow.params import closed_object, number, strict_params, workload_config
@@ -97,7 +98,7 @@ with DAG(
 
     # Mapped because the operator takes its argv as a list when the DAG is built, and the argv's length
     # depends on the workload; mapped values reach the operator as data, never rendered as templates.
-    slurm_kwargs = {"log_dir": "{{ ti.xcom_pull(task_ids='route', key='run_dir') }}/logs",
+    slurm_kwargs = {"log_dir": "{{ ti.xcom_pull(task_ids='route', key='run_dir') }}/" + LOGS_DIR,
                     "ssh_conn_id": config.cluster.ssh_conn_id, "requeue": False, "signal": None,
                     "poll_interval_s": 3, "runbook": RUNBOOK}
     slurm_commands = slurm_argv(routed["slurm_command"])

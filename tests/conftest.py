@@ -238,9 +238,9 @@ def model_of_record(stack) -> dict:
     import numpy as np
     import torch
     from hybridflow.config import pipeline_config
+    from hybridflow.layout import EXPORT_FILES
     from hybridflow.pipeline.nightly_tasks import model_of_record as current
     from hybridflow.pipeline.nightly_tasks import model_registry
-    from hybridflow.pipeline.registry import EXPORT_FILES
     from hybridjobs.features import FEATURE_COLUMNS
     from hybridtrain.config import ModelSpec
     from hybridtrain.export import SMOKE_ROWS, export_model

@@ -62,18 +62,18 @@ FEATURE_COLUMNS = (
 OUTPUT_COLUMNS = ("customer_id", "label", *FEATURE_COLUMNS)
 
 
-def read_raw_events(spark: SparkSession, root: str, ds: str,
-                    lookback_days: int) -> tuple[DataFrame, list[str]]:
-    """Published raw events of ``ds`` and of the look-back days that exist, tagged with their partition."""
-    own = storage.partition_dir(root, "raw", ds)
+def read_raw_events(spark: SparkSession, partitions: storage.Partitions, ds: str,
+                    window: list[str]) -> tuple[DataFrame, list[str]]:
+    """Published raw events of ``ds`` and of the look-back days (``window``) that exist, tagged with their
+    partition."""
+    own = partitions.dir("raw", ds)
     if not storage.is_published(own):
         raise storage.PartitionNotPublishedError(
             f"raw partition {own} is not published (no _SUCCESS): generate or land raw data for ds={ds} first"
         )
-    found = [d for d in storage.lookback_ds(ds, lookback_days)
-             if storage.is_published(storage.partition_dir(root, "raw", d))]
+    found = [d for d in window if storage.is_published(partitions.dir("raw", d))]
     frames = [
-        spark.read.parquet(str(storage.partition_dir(root, "raw", d) / "events"))
+        spark.read.parquet(str(partitions.dir("raw", d) / "events"))
         .select(*RAW_COLUMNS)
         .withColumn("source_ds", F.lit(d))
         .withColumn("partition_end", F.lit(storage.interval_end(d)))
@@ -179,12 +179,12 @@ def customer_features(classified: DataFrame, as_of: datetime) -> DataFrame:
                              *(derived[name].cast("float").alias(name) for name in FEATURE_COLUMNS))
 
 
-def raw_files(root: str, ds: str) -> list[Path]:
-    return manifests.partition_files(storage.partition_dir(root, "raw", ds), "events")
+def raw_files(partitions: storage.Partitions, ds: str) -> list[Path]:
+    return manifests.partition_files(partitions.dir("raw", ds), "events")
 
 
-def read_labels(spark: SparkSession, root: str, ds: str) -> DataFrame:
-    path = storage.partition_dir(root, "raw", ds) / "labels"
+def read_labels(spark: SparkSession, partitions: storage.Partitions, ds: str) -> DataFrame:
+    path = partitions.dir("raw", ds) / "labels"
     return spark.read.parquet(str(path)).select("customer_id", F.col("label").cast("int").alias("label"))
 
 
@@ -193,23 +193,26 @@ def run(spark: SparkSession, root: str, ds: str,
     """Builds and publishes ``quarantine/ds=<ds>``, then ``features/ds=<ds>``; returns the features
     manifest."""
     started = time.monotonic()
-    raw, found = read_raw_events(spark, root, ds, lookback_days)
+    partitions = storage.Partitions.under(root)
+    day = storage.parse_ds(ds)  # the one check of ds: the window and the features' as-of time derive from it
+    window, as_of = storage.lookback_ds(day, lookback_days), storage.interval_end(day)
+    raw, found = read_raw_events(spark, partitions, ds, window)
     classified = with_quarantine_reason(raw)
 
-    quarantine_target = storage.partition_dir(root, "quarantine", ds)
+    quarantine_target = partitions.dir("quarantine", ds)
     quarantine_staging = storage.new_staging_dir(quarantine_target)
     quarantine = quarantined_rows(classified, ds)
     quarantine.write.parquet(str(quarantine_staging))
 
-    features_target = storage.partition_dir(root, "features", ds)
+    features_target = partitions.dir("features", ds)
     features_staging = storage.new_staging_dir(features_target)
-    features = customer_features(classified, storage.interval_end(ds)).join(
-        read_labels(spark, root, ds), on="customer_id", how="inner"
+    features = customer_features(classified, as_of).join(
+        read_labels(spark, partitions, ds), on="customer_id", how="inner"
     ).select(*OUTPUT_COLUMNS)
     features.write.parquet(str(features_staging))
 
-    raw_rows = manifests.parquet_rows(raw_files(root, ds))
-    window_rows = sum(manifests.parquet_rows(raw_files(root, d)) for d in found)
+    raw_rows = manifests.parquet_rows(raw_files(partitions, ds))
+    window_rows = sum(manifests.parquet_rows(raw_files(partitions, d)) for d in found)
     quarantine_files = manifests.partition_files(quarantine_staging)
     by_reason = manifests.count_by(manifests.read_files(quarantine_files, ["reason"]), "reason",
                                    QUARANTINE_REASONS)
@@ -219,7 +222,7 @@ def run(spark: SparkSession, root: str, ds: str,
     labels = manifests.read_files(feature_files, ["label"]).column("label") if stats["row_count"] else None
     label_rate = round(pc.mean(labels).as_py(), 6) if labels is not None else None
     job = job_section(spark, "build_features", started, raw_rows, "raw_rows_per_s", lookback_days=lookback_days,
-                      as_of=storage.interval_end(ds).isoformat())
+                      as_of=as_of.isoformat())
     quarantine_section = {
         "rows": quarantined,
         "ratio": round(quarantined / raw_rows, 6) if raw_rows else 0.0,
@@ -230,7 +233,7 @@ def run(spark: SparkSession, root: str, ds: str,
         "raw_rows": raw_rows,
         "valid_rows": raw_rows - quarantined,
         "lookback_partitions": found,
-        "missing_lookback_partitions": [d for d in storage.lookback_ds(ds, lookback_days) if d not in found],
+        "missing_lookback_partitions": [d for d in window if d not in found],
         "window_raw_rows": window_rows,
     }
 

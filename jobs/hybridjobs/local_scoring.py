@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from hybridjobs import manifests, predictions, storage
+from hybridjobs.layout import SIGNATURE_FILE
 from hybridjobs.predictions import COLUMNS, DEFAULT_BATCH_SIZE, SCHEMA, ModelContractError
 
 __all__ = ["COLUMNS", "DEFAULT_BATCH_SIZE", "DEVICES", "PRECISION_CHOICES", "ModelContractError", "probe",
@@ -51,7 +52,7 @@ def resolve_device(requested: str | None = None) -> str:
 def model_precision(model_path: str) -> dict[str, Any] | None:
     """The export's bf16 check (``signature.json`` "precision"), or None for a model exported without one."""
     try:
-        signature = json.loads(Path(model_path).with_name("signature.json").read_text())
+        signature = json.loads(Path(model_path).with_name(SIGNATURE_FILE).read_text())
     except (OSError, ValueError):
         return None
     precision = signature.get("precision") if isinstance(signature, dict) else None
@@ -172,13 +173,15 @@ def run(root: str, ds: str, model_path: str, model_version: str, batch_size: int
     record = model_precision(model_path)
     precision = resolve_precision(precision, device, record)
     started = time.monotonic()
-    features_dir = storage.partition_dir(root, "features", ds)
+    storage.parse_ds(ds)  # checked once, before any path is built from it
+    partitions = storage.Partitions.under(root)
+    features_dir = partitions.dir("features", ds)
     features_manifest = storage.read_features_manifest(features_dir)
     feature_columns = list(features_manifest["feature_columns"])
     predictions.check_model(model_path, len(feature_columns), device)
     model = predictions.load_model(model_path, device)
 
-    target = storage.partition_dir(root, "predictions", ds)
+    target = partitions.dir("predictions", ds)
     staging = storage.new_staging_dir(target)
     staging.mkdir()
     sources = manifests.partition_files(features_dir)
@@ -197,7 +200,7 @@ def run(root: str, ds: str, model_path: str, model_version: str, batch_size: int
 
 def model_width(model_path: str) -> int:
     """The model's number of input features, from the ``signature.json`` its export wrote beside it."""
-    signature = Path(model_path).with_name("signature.json")
+    signature = Path(model_path).with_name(SIGNATURE_FILE)
     try:
         return int(json.loads(signature.read_text())["n_features"])
     except (OSError, ValueError, KeyError, TypeError) as err:

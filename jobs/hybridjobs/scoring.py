@@ -107,12 +107,14 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
     """Scores ``features/ds=<ds>`` and publishes ``predictions/ds=<ds>``; returns the predictions manifest."""
     predictions.check_version(model_version)
     started = time.monotonic()
-    features_dir = storage.partition_dir(root, "features", ds)
+    storage.parse_ds(ds)  # checked once, before any path is built from it
+    partitions = storage.Partitions.under(root)
+    features_dir = partitions.dir("features", ds)
     features_manifest = storage.read_features_manifest(features_dir)
     feature_columns = list(features_manifest["feature_columns"])
     check_model(model_path, len(feature_columns))
 
-    target = storage.partition_dir(root, "predictions", ds)
+    target = partitions.dir("predictions", ds)
     staging = storage.new_staging_dir(target)
     staging.mkdir()
     tasks = plan(features_dir, spark.sparkContext.defaultParallelism)

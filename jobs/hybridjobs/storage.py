@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -50,25 +51,46 @@ def parse_ds(ds: str) -> date:
     return parsed
 
 
-def interval_end(ds: str) -> datetime:
+def _day(ds: str | date) -> date:
+    # a job parses its ds once and passes the date; text is parsed (and checked) here
+    return ds if isinstance(ds, date) else parse_ds(ds)
+
+
+def interval_end(ds: str | date) -> datetime:
     """The exclusive end of a daily partition's data interval: midnight UTC after ``ds``."""
-    start = datetime.combine(parse_ds(ds), datetime.min.time(), tzinfo=UTC)
+    start = datetime.combine(_day(ds), datetime.min.time(), tzinfo=UTC)
     return start + timedelta(days=1)
 
 
-def lookback_ds(ds: str, days: int) -> list[str]:
+def lookback_ds(ds: str | date, days: int) -> list[str]:
     """The ``days`` partitions ending at ``ds``, oldest first (``days=1`` is just ``ds``)."""
     if days < 1:
         raise ValueError(f"lookback days must be >= 1, got {days}")
-    end = parse_ds(ds)
+    end = _day(ds)
     return [(end - timedelta(days=offset)).isoformat() for offset in range(days - 1, -1, -1)]
 
 
+@dataclass(frozen=True)
+class Partitions:
+    """The partitions one job reads and writes: one layout for all of them. A ``ds`` is checked once, where the
+    job takes it (``cli.ds_argument``, :func:`parse_ds` in the job's ``run``), not again at every path."""
+
+    layout: StorageLayout
+
+    @classmethod
+    def under(cls, root: str | os.PathLike) -> Partitions:
+        return cls(StorageLayout(os.fspath(root)))
+
+    def dir(self, dataset: str, ds: str) -> Path:
+        if dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
+        return Path(self.layout.partition(dataset, ds))
+
+
 def partition_dir(root: str | os.PathLike, dataset: str, ds: str) -> Path:
-    if dataset not in DATASETS:
-        raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
+    """One partition's directory, ``ds`` checked too: for a caller with one path to find (a test, generate_raw)."""
     parse_ds(ds)
-    return Path(StorageLayout(os.fspath(root)).partition(dataset, ds))
+    return Partitions.under(root).dir(dataset, ds)
 
 
 def is_published(partition: str | os.PathLike) -> bool:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridjobs import atomic
+from hybridjobs.layout import CHECKPOINT_MANIFEST
 from hybridtrain.errors import CheckpointError
 
 __all__ = [
@@ -52,7 +53,7 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST_NAME = "MANIFEST.json"
+MANIFEST_NAME = CHECKPOINT_MANIFEST
 MANIFEST_FORMAT = "hybridtrain-checkpoint/1"
 _STEP_DIR_RE = re.compile(r"step_(?P<step>0|[1-9]\d*)")
 _REQUIRED_KEYS = ("format", "tag", "step", "epoch", "files", "metrics")

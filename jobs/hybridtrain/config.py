@@ -18,6 +18,7 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
 
+from hybridjobs.layout import CHECKPOINTS_DIR, EXPORT_DIR
 from hybridtrain.errors import ConfigError
 from hybridtrain.tracking import TrackingConfig, parse_tracking
 
@@ -118,11 +119,11 @@ class RunConfig:
 
     @property
     def checkpoints_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+        return self.run_dir / CHECKPOINTS_DIR
 
     @property
     def export_dir(self) -> Path:
-        return self.run_dir / "export"
+        return self.run_dir / EXPORT_DIR
 
 
 def dates_in_range(start: str, end: str) -> tuple[str, ...]:

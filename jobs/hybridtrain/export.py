@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from hybridjobs.atomic import staged_dir
+from hybridjobs.layout import MODEL_FILE, SIGNATURE_FILE, SMOKE_FILE
 from hybridtrain.config import ModelSpec
 from hybridtrain.model import ProbabilityModel, Standardize, build_network
 
@@ -60,14 +61,14 @@ def export_model(
     scripted = torch.jit.script(ProbabilityModel(Standardize(mean, std), network).eval())
 
     with staged_dir(export_dir) as staging:
-        scripted.save(str(staging / "model.pt"))
-        reloaded = torch.jit.load(str(staging / "model.pt"), map_location="cpu")
+        scripted.save(str(staging / MODEL_FILE))
+        reloaded = torch.jit.load(str(staging / MODEL_FILE), map_location="cpu")
         inputs = np.ascontiguousarray(smoke_inputs[:SMOKE_ROWS], dtype=np.float32)
         with torch.inference_mode():
             outputs = reloaded(torch.from_numpy(inputs)).numpy()
         sample_x, sample_y = precision_sample if precision_sample is not None else (inputs[:0], np.zeros(0))
         precision = precision_check(
-            torch.jit.load(str(staging / "model.pt"), map_location=device),
+            torch.jit.load(str(staging / MODEL_FILE), map_location=device),
             np.concatenate([inputs, np.asarray(sample_x, dtype=np.float32)]),
             np.asarray(sample_y),
             device,
@@ -89,12 +90,12 @@ def export_model(
             "inputs": inputs.tolist(),
             "outputs": outputs.tolist(),
         }
-        (staging / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
-        (staging / "smoke.json").write_text(json.dumps(smoke, indent=2) + "\n")
+        (staging / SIGNATURE_FILE).write_text(json.dumps(signature, indent=2) + "\n")
+        (staging / SMOKE_FILE).write_text(json.dumps(smoke, indent=2) + "\n")
     return {
-        "model": str(export_dir / "model.pt"),
-        "signature": str(export_dir / "signature.json"),
-        "smoke": str(export_dir / "smoke.json"),
+        "model": str(export_dir / MODEL_FILE),
+        "signature": str(export_dir / SIGNATURE_FILE),
+        "smoke": str(export_dir / SMOKE_FILE),
         "n_features": n_features,
         "precision": precision,
     }

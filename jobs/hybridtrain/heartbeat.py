@@ -16,16 +16,15 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from hybridjobs.layout import HEARTBEATS_DIR
 from hybridtrain.checkpoints import write_json_atomic
 from hybridtrain.time_split import PhaseClock
 
-__all__ = ["HEARTBEAT_DIR", "Heartbeat", "heartbeat_file"]
-
-HEARTBEAT_DIR = "heartbeats"
+__all__ = ["Heartbeat", "heartbeat_file"]
 
 
 def heartbeat_file(run_dir: Path, rank: int) -> Path:
-    return run_dir / HEARTBEAT_DIR / f"rank{rank}.json"
+    return run_dir / HEARTBEATS_DIR / f"rank{rank}.json"
 
 
 class Heartbeat:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hybridjobs.layout import METRICS_FILE, PROGRESS_FILE, SMOKE_FILE, STEP_METRICS_FILE
 from hybridtrain.allreduce import is_sample_step, summarise_allreduce
 from hybridtrain.checkpoints import (
     MANIFEST_NAME,
@@ -66,7 +67,6 @@ from hybridtrain.plan import TrainingPlan, epoch_permutation, make_plan
 from hybridtrain.preemption import StopRequest, requeue_job
 from hybridtrain.progress import ProgressReporter, read_progress
 from hybridtrain.tracking import (
-    STEP_METRICS_FILE,
     LiveTracking,
     MlflowRest,
     StepMetricsLog,
@@ -79,8 +79,6 @@ __all__ = ["PreparedData", "TrainingJob", "main", "prepare_data"]
 
 log = logging.getLogger("hybridtrain")
 
-PROGRESS_FILE = "progress.json"
-METRICS_FILE = "metrics.json"
 _EVAL_CHUNK_ROWS = 65_536
 # The engine computes in bf16/fp16 when the DeepSpeed config says so; the export always in float32.
 _EXPORT_TOLERANCE = {True: 1e-5, False: 2e-2}
@@ -723,7 +721,7 @@ class _Trainer:
 
     def _check_export(self, engine_outputs: np.ndarray) -> float:
         """How far the export's smoke outputs are from the engine's; a real difference fails the run."""
-        smoke = json.loads((self.config.export_dir / "smoke.json").read_text())
+        smoke = json.loads((self.config.export_dir / SMOKE_FILE).read_text())
         difference = float(np.max(np.abs(np.array(smoke["outputs"]) - engine_outputs)))
         tolerance = _EXPORT_TOLERANCE[self.dtype == self.torch.float32]
         if not difference <= tolerance:

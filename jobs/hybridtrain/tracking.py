@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridjobs.layout import STEP_METRICS_FILE
+
 __all__ = [
-    "STEP_METRICS_FILE",
     "LiveTracking",
     "MlflowRest",
     "StepMetricsLog",
@@ -45,7 +46,6 @@ __all__ = [
 
 log = logging.getLogger("hybridtrain")
 
-STEP_METRICS_FILE = "step_metrics.jsonl"
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one runs/log-batch call
 

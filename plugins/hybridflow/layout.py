@@ -3,8 +3,9 @@
 Paths are text joined with ``/``, the same text the Slurm jobs, Spark and asset URIs see (the root is mounted at
 the same place on every host); wrap one in ``Path`` to open it here. Run directories are persisted (a rerun
 reattaches to its directory by path), so a name here never changes: add a new one beside it instead.
-The jobs read the datasets through their own copy (jobs/hybridjobs/layout.py), kept in step by
-tests/unit/jobs/test_layout_contract.py.
+A training run's directory (``TrainingRunDir``) is written by the operator and the job alike; the jobs read the
+datasets and write the run's files through their own copy of these names (jobs/hybridjobs/layout.py), kept in
+step by tests/unit/jobs/test_layout_contract.py.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class StorageLayout:
         """The Slurm logs of a DAG whose jobs share one folder (preflight, healthcheck, reliability_probe)."""
         return self._under("runs", dag, "logs")
 
-    def training_run_dir(self, ds: str, run_id: str) -> str:
-        """One nightly training run (before its retrain generation, see utils/slurm_jobs.generation_run_dir)."""
-        return self._under("runs", "nightly_training", f"ds={ds}", safe_segment(run_id))
+    def training_run(self, ds: str, run_id: str) -> TrainingRunDir:
+        """One nightly training run's directory (before its retrain generation, see ``for_generation``)."""
+        return TrainingRunDir(self._under("runs", "nightly_training", f"ds={ds}", safe_segment(run_id)))
 
     def router_run_dir(self, run_id: str) -> str:
         """Where a router run's job writes its log and result: one directory per DAG run."""
@@ -99,3 +100,101 @@ class StorageLayout:
     def alerts_file(self) -> str:
         """The local alert sink (notifiers/oncall.py) when HYBRIDFLOW_ALERTS_FILE does not name another."""
         return self._under("alerts", "alerts.jsonl")
+
+
+# --- A training run's directory ---------------------------------------------------------------------------------
+# The names the job writes (jobs/hybridjobs/layout.py spells the same ones) and the orchestrator's own beside them.
+CONFIG_FILE = "config.json"  # the run config the operator writes and jobs/train.py reads
+LOGS_DIR = "logs"  # the Slurm logs of the run's jobs (training, evaluation; a router run's too)
+PROGRESS_FILE = "progress.json"
+HEARTBEATS_DIR = "heartbeats"  # rank<r>.json per rank, for the stall watch
+METRICS_FILE = "metrics.json"  # written once training finished
+STEP_METRICS_FILE = "step_metrics.jsonl"  # rank 0's step figures, what MLflow gets
+EVALUATION_FILE = "evaluation.json"  # the evaluation job's result (jobs/evaluate.py --out)
+CHECKPOINTS_DIR = "checkpoints"  # step_<n>/ each
+CHECKPOINT_MANIFEST = "MANIFEST.json"  # in each step_<n>/, written last
+EXPORT_DIR = "export"
+MODEL_FILE = "model.pt"
+SIGNATURE_FILE = "signature.json"
+SMOKE_FILE = "smoke.json"
+EXPORT_FILES = (MODEL_FILE, SIGNATURE_FILE, SMOKE_FILE)  # what an export and a model version directory hold
+MLFLOW_RUN_FILE = "mlflow_run.json"  # the run id, so every attempt continues the same MLflow run
+CREDENTIALS_FILE = ".mlflow-credentials.json"  # 0600, removed once the task is done; the job finds it by name
+
+
+@dataclass(frozen=True)
+class TrainingRunDir:
+    """One training run's directory and what is in it.
+
+    ``root`` is text, possibly a template (``{{ ... }}``): each member only appends its name, so a member of a
+    templated root renders to the member of the rendered root.
+    """
+
+    root: str
+
+    def _member(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def for_generation(self, generation: int) -> TrainingRunDir:
+        """Retrain generation ``generation``'s directory: this one for 0, else the sibling ``<root>.retrain-<N>``.
+
+        A sibling, not a subdirectory: the new job starts from no checkpoint (fresh training, as after fixing data)
+        and the earlier generation's checkpoints, export and metrics stay as they were. A root that already names
+        generation N is returned unchanged, so the DAG's prepare step and the operator can both apply it.
+        """
+        if generation == 0:
+            return self
+        base, suffix = self.root.rstrip("/") or self.root, f".retrain-{generation}"
+        return TrainingRunDir(base if base.endswith(suffix) else base + suffix)
+
+    @property
+    def config(self) -> str:
+        return self._member(CONFIG_FILE)
+
+    @property
+    def logs(self) -> str:
+        return self._member(LOGS_DIR)
+
+    @property
+    def progress(self) -> str:
+        return self._member(PROGRESS_FILE)
+
+    @property
+    def heartbeats(self) -> str:
+        return self._member(HEARTBEATS_DIR)
+
+    @property
+    def metrics(self) -> str:
+        return self._member(METRICS_FILE)
+
+    @property
+    def step_metrics(self) -> str:
+        return self._member(STEP_METRICS_FILE)
+
+    @property
+    def evaluation(self) -> str:
+        return self._member(EVALUATION_FILE)
+
+    @property
+    def checkpoints(self) -> str:
+        return self._member(CHECKPOINTS_DIR)
+
+    @property
+    def export(self) -> str:
+        return self._member(EXPORT_DIR)
+
+    def export_file(self, name: str) -> str:
+        """One of ``EXPORT_FILES`` in the export."""
+        return f"{self.export}/{name}"
+
+    @property
+    def model(self) -> str:
+        return self.export_file(MODEL_FILE)
+
+    @property
+    def mlflow_run(self) -> str:
+        return self._member(MLFLOW_RUN_FILE)
+
+    @property
+    def credentials(self) -> str:
+        return self._member(CREDENTIALS_FILE)

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hybridflow.layout import StorageLayout, safe_segment
+from hybridflow.layout import StorageLayout, TrainingRunDir, safe_segment
 from hybridflow.notifiers.oncall import default_alerts_file
 from hybridflow.pipeline.registry import ModelRegistry
 
@@ -73,7 +73,7 @@ def test_router_run_dir_is_one_directory_per_run(run_id, run_dir):
 def test_run_and_report_paths_are_the_ones_written_by_hand_before(root):
     layout, ds = StorageLayout(root), "2026-01-05"
     for run_id in RUN_IDS + SAMPLED[:200]:
-        assert layout.training_run_dir(ds, run_id) == f"{root}/runs/nightly_training/ds={ds}/{old_run_key(run_id)}"
+        assert layout.training_run(ds, run_id).root == f"{root}/runs/nightly_training/ds={ds}/{old_run_key(run_id)}"
         assert layout.router_run_dir(run_id) == old_router_run_dir(root, run_id)
         relative = f"nightly_training/ds={ds}/{old_run_key(run_id)}"  # what RunReportOperator wrote
         assert layout.report_path("nightly_training", ds, run_id) == relative
@@ -125,3 +125,48 @@ def test_config_layout_and_the_ui_read_the_storage_root_as_before(root, monkeypa
         assert reports_root() == Path(root or "/var/lib/hybridflow/storage") / "reports"
     finally:
         pipeline_config.cache_clear()
+
+
+# Every member of a training run's directory, as the operator, the DAG and the nightly tasks spelled it by hand.
+RUN = "/st/runs/nightly_training/ds=2026-01-05/scheduled__2026-01-05T00_00_00_00_00"
+TEMPLATE = "{{ ti.xcom_pull(task_ids='training.prepare')['run_dir'] }}"
+
+
+@pytest.mark.parametrize(("member", "relative"), [
+    ("config", "/config.json"),
+    ("logs", "/logs"),
+    ("progress", "/progress.json"),
+    ("heartbeats", "/heartbeats"),
+    ("metrics", "/metrics.json"),
+    ("step_metrics", "/step_metrics.jsonl"),
+    ("evaluation", "/evaluation.json"),
+    ("checkpoints", "/checkpoints"),
+    ("export", "/export"),
+    ("model", "/export/model.pt"),
+    ("mlflow_run", "/mlflow_run.json"),
+    ("credentials", "/.mlflow-credentials.json"),
+])
+@pytest.mark.parametrize("root", [RUN, f"{RUN}.retrain-2", TEMPLATE])
+def test_training_run_members_are_the_paths_written_by_hand_before(root, member, relative):
+    """A templated root gives the template of the member: the DAG's rendered paths stay what they were."""
+    assert getattr(TrainingRunDir(root), member) == root + relative
+
+
+@pytest.mark.parametrize(("name", "path"), [
+    ("model.pt", f"{RUN}/export/model.pt"),
+    ("signature.json", f"{RUN}/export/signature.json"),
+    ("smoke.json", f"{RUN}/export/smoke.json"),
+])
+def test_training_run_export_files(name, path):
+    assert TrainingRunDir(RUN).export_file(name) == path
+
+
+@pytest.mark.parametrize(("gen", "root"), [
+    (0, RUN),
+    (1, f"{RUN}.retrain-1"),
+    (7, f"{RUN}.retrain-7"),
+])
+def test_a_generations_members_live_in_its_own_directory(gen, root):
+    run = StorageLayout("/st").training_run("2026-01-05", "scheduled__2026-01-05T00:00:00+00:00").for_generation(gen)
+    assert run == TrainingRunDir(root)
+    assert run.checkpoints == f"{root}/checkpoints" and run.for_generation(gen) == run  # idempotent

@@ -69,6 +69,7 @@ class RunReportOperator(BaseOperator):
         from pathlib import Path
 
         from hybridflow.config import pipeline_config
+        from hybridflow.layout import TrainingRunDir
         from hybridflow.pipeline.nightly import placement_figures, training_figures
         from hybridflow.pipeline.nightly_tasks import read_cluster_json, scoring_figures
         from hybridflow.pipeline.report import write_report
@@ -77,7 +78,7 @@ class RunReportOperator(BaseOperator):
         ds, run_id, dag_id = context["ds"], context["run_id"], context["dag"].dag_id
         quality = self.pull(context, "quality") or {}
         train = self.pull(context, "training")
-        metrics = read_cluster_json(config, f"{train['run_dir']}/metrics.json") if train else None
+        metrics = read_cluster_json(config, TrainingRunDir(train["run_dir"]).metrics) if train else None
         decision = self.pull(context, "evaluation")
         plan, prepared = self.pull(context, "plan") or {}, self.pull(context, "prepare") or {}
         deploy = (self.pull(context, "release", key="deploy_report") or self.pull(context, "deploy")

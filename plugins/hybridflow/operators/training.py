@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow.config import NightlyConfig
 from hybridflow.exceptions import GateFailed, SlurmJobFailed
+from hybridflow.layout import CONFIG_FILE, CREDENTIALS_FILE, EXPORT_FILES, METRICS_FILE, TrainingRunDir
 from hybridflow.operators.slurm import SlurmSubmitOperator, _whole
 from hybridflow.ui import XCOM_MLFLOW_RUN_URL, MlflowRunLink
 
@@ -106,10 +107,11 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
 
         # paths derived from run_dir move with it to a generation's directory; ones given explicitly stay
         paths_from_run_dir = {key for key in ("log_dir", "progress_path", "heartbeat_dir") if key not in kwargs}
-        kwargs.setdefault("log_dir", f"{run_dir}/logs")
-        kwargs.setdefault("progress_path", f"{run_dir}/progress.json")
+        run = TrainingRunDir(run_dir)
+        kwargs.setdefault("log_dir", run.logs)
+        kwargs.setdefault("progress_path", run.progress)
         # the stall watch: every rank's heartbeat under the run directory; py-spy beside the job's interpreter
-        kwargs.setdefault("heartbeat_dir", f"{run_dir}/heartbeats")
+        kwargs.setdefault("heartbeat_dir", run.heartbeats)
         kwargs.setdefault("stall_timeout_s", pipeline_config().recovery.stall_timeout_s)
         kwargs.setdefault("max_stall_restarts", pipeline_config().recovery.max_stall_restarts)
         kwargs.setdefault("py_spy", f"{python.rsplit('/', 1)[0]}/py-spy" if "/" in python else "py-spy")
@@ -117,7 +119,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         kwargs.setdefault("hide_gpus_without_gres", True)  # the CPU placement trains on CPUs, whatever the node has
         # Training runs minutes to hours on a real cluster: waiting for its end in the worker first buys nothing.
         kwargs.setdefault("wait_before_defer_s", 0)
-        super().__init__(command=[python, f"{jobs_dir}/train.py", "--config", f"{run_dir}/config.json"], **kwargs)
+        super().__init__(command=[python, f"{jobs_dir}/train.py", "--config", run.config], **kwargs)
         self.run_config = run_config if isinstance(run_config, str) else dict(run_config)
         self.run_dir = run_dir
         self.python, self.jobs_dir = python, jobs_dir
@@ -128,6 +130,11 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         self._paths_from_run_dir = paths_from_run_dir
         self._context: Context | None = None
 
+    @property
+    def training_run(self) -> TrainingRunDir:
+        """The run directory (``run_dir``, once rendered and moved to its generation's) and its files."""
+        return TrainingRunDir(self.run_dir)
+
     def render_template_fields(self, context: Context, jinja_env=None) -> None:
         super().render_template_fields(context, jinja_env)
         self._apply_generation()  # here, so the rendered fields shown in the UI are the paths the job uses
@@ -135,19 +142,19 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
     def _apply_generation(self) -> None:
         """Moves the run to its generation's directory (idempotent): a retrain must not resume, from the earlier
         generation's checkpoints, a model that already finished."""
-        from hybridflow.utils.slurm_jobs import generation, generation_run_dir
+        from hybridflow.utils.slurm_jobs import generation
 
-        run_dir = generation_run_dir(self.run_dir, generation(self.retrain))
-        if run_dir == self.run_dir:
+        moved = self.training_run.for_generation(generation(self.retrain))
+        if moved == self.training_run:
             return
-        self.run_dir = run_dir
-        self.command = [*self.command[:-1], f"{run_dir}/config.json"]
+        self.run_dir = moved.root
+        self.command = [*self.command[:-1], moved.config]
         if "log_dir" in self._paths_from_run_dir:
-            self.log_dir = f"{run_dir}/logs"
+            self.log_dir = moved.logs
         if "progress_path" in self._paths_from_run_dir:
-            self.progress_path = f"{run_dir}/progress.json"
+            self.progress_path = moved.progress
         if "heartbeat_dir" in self._paths_from_run_dir:
-            self.heartbeat_dir = f"{run_dir}/heartbeats"
+            self.heartbeat_dir = moved.heartbeats
 
     def node_self_check(self) -> tuple[str, ...]:
         """Each node checks itself before the ranks start (pipeline.yaml ``recovery.node_check``)."""
@@ -172,7 +179,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         tracking = self._start_tracking(context, run_config)
         if tracking is not None:
             job_config["tracking"] = tracking
-        self.hook.write_text(f"{self.run_dir}/config.json", json.dumps(job_config, indent=2, sort_keys=True))
+        self.hook.write_text(self.training_run.config, json.dumps(job_config, indent=2, sort_keys=True))
         return super().execute(context)
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
@@ -213,7 +220,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         from hybridflow.utils import mlflow_tracking as tracking
 
         identity = self._identity(context)
-        run_file = f"{self.run_dir}/{tracking.RUN_FILE}"
+        run_file = self.training_run.mlflow_run
         stored = tracking.stored_run_id(self.hook.read_text(run_file))
         run = mlflow.get_run(stored) if stored else None
         if run is None:
@@ -243,7 +250,6 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         """The job's ``tracking`` section (its MLflow run, the server as the nodes see it, a 0600 credentials
         file), or None when tracking is off or the server does not answer now."""
         from hybridflow.exceptions import MlflowUnavailable
-        from hybridflow.utils.mlflow_tracking import CREDENTIALS_FILE
 
         mlflow = self._mlflow()
         if mlflow is None:
@@ -254,7 +260,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
             self.log.warning("MLflow unavailable before the job (%s): training goes on without live tracking; this "
                              "task logs the run after the job", error)
             return None
-        self.hook.write_private(f"{self.run_dir}/{CREDENTIALS_FILE}", json.dumps(mlflow.job_credentials()))
+        self.hook.write_private(self.training_run.credentials, json.dumps(mlflow.job_credentials()))
         url = mlflow.run_url(run["info"]["experiment_id"], run["info"]["run_id"])
         context["ti"].xcom_push(key=XCOM_MLFLOW_RUN_URL, value=url)  # the task's "MLflow run" link, from now on
         self.log.info("MLflow run %s: %s", run["info"]["run_id"], url)
@@ -265,7 +271,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         """The job's step points the run lacks (not sent live); (logged now, written by the job)."""
         from hybridflow.utils import mlflow_tracking as tracking
 
-        records = tracking.read_step_metrics(self.hook.read_text(f"{self.run_dir}/{tracking.STEP_METRICS_FILE}") or "")
+        records = tracking.read_step_metrics(self.hook.read_text(self.training_run.step_metrics) or "")
         missing = tracking.records_to_log(records, mlflow.logged_steps(run_id, {r["key"] for r in records}))
         mlflow.log_batch(run_id, metrics=missing)
         return len(missing), len(records)
@@ -279,7 +285,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         from hybridflow.utils import mlflow_tracking as tracking
 
         mlflow = self._mlflow()
-        run_id = tracking.stored_run_id(self.hook.read_text(f"{self.run_dir}/{tracking.RUN_FILE}"))
+        run_id = tracking.stored_run_id(self.hook.read_text(self.training_run.mlflow_run))
         try:
             if mlflow is not None and run_id is not None:
                 self._log_step_metrics(mlflow, run_id)
@@ -289,7 +295,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         except MlflowUnavailable as error:
             self.log.warning("could not mark MLflow run %s FAILED: %s", run_id, error)
         finally:
-            self.hook.remove(f"{self.run_dir}/{tracking.CREDENTIALS_FILE}")
+            self.hook.remove(self.training_run.credentials)
 
     def _log_to_mlflow(self, status: SlurmJobStatus, metrics: Mapping[str, Any], gpu_hours: float | None,
                        efficiency: Mapping[str, Any] | None = None):
@@ -303,7 +309,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         mlflow = self._mlflow()
         if mlflow is None or self._context is None:
             return None
-        run_config_text = self.hook.read_text(f"{self.run_dir}/config.json") or "{}"
+        run_config_text = self.hook.read_text(self.training_run.config) or "{}"
         run_config = json.loads(run_config_text)
         run_config.pop("tracking", None)
         run = self._tracking_run(mlflow, self._context, run_config)
@@ -318,15 +324,16 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
                          tags=tracking.finish_tags(metrics, slurm_job_id=status.job_id, partition=self.partition)
                          | {"hybridflow.job_end": _job_end(status)})
         artifact_uri = run["info"]["artifact_uri"]
-        mlflow.upload_artifact(artifact_uri, "run/config.json", run_config_text.encode())
-        mlflow.upload_artifact(artifact_uri, "run/metrics.json", json.dumps(metrics, indent=2).encode())
-        for name in ("model.pt", "signature.json", "smoke.json"):
-            content = self.hook.read_bytes(f"{self.run_dir}/export/{name}")
+        # the artifacts keep the run directory's file names
+        mlflow.upload_artifact(artifact_uri, f"run/{CONFIG_FILE}", run_config_text.encode())
+        mlflow.upload_artifact(artifact_uri, f"run/{METRICS_FILE}", json.dumps(metrics, indent=2).encode())
+        for name in EXPORT_FILES:
+            content = self.hook.read_bytes(self.training_run.export_file(name))
             if content is not None:
                 mlflow.upload_artifact(artifact_uri, f"model/{name}", content)
         mlflow.finish_run(run_id, "FINISHED", int(time.time() * 1000))
         self._context["ti"].xcom_push(key=XCOM_MLFLOW_RUN_URL, value=mlflow.run_url(experiment_id, run_id))
-        self.hook.remove(f"{self.run_dir}/{tracking.CREDENTIALS_FILE}")
+        self.hook.remove(self.training_run.credentials)
         self.log.info("MLflow run %s FINISHED: %d step points logged after the job (%d were live), %d final "
                       "figures, model artifacts; %s", run_id, logged_now, written - logged_now, len(already),
                       mlflow.run_url(experiment_id, run_id))
@@ -367,7 +374,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         except (SlurmJobFailed, AirflowFailException):
             self._end_mlflow_run_failed(status)
             raise
-        metrics = json.loads(self.hook.read_text(f"{self.run_dir}/metrics.json") or "{}")
+        metrics = json.loads(self.hook.read_text(self.training_run.metrics) or "{}")
         allocated = status.alloc_tres.get("gres/gpu")
         gpus = int(allocated) if str(allocated or "").isdigit() else None
         report = utilization_report(gpus, status.elapsed_s, metrics.get("gpu"), self.min_gpu_utilization_pct,

@@ -196,7 +196,8 @@ class TritonServingOperator(BaseOperator):
 
     def smoke_set(self, version: int) -> SmokeSet:
         """The version's own smoke set: inputs and the outputs its file gave at export time."""
-        from hybridflow.utils.triton import SMOKE_FILE, parse_smoke
+        from hybridflow.layout import SMOKE_FILE
+        from hybridflow.utils.triton import parse_smoke
 
         data = self.repo.read(self.model_name, f"{version}/{SMOKE_FILE}")
         if data is None:

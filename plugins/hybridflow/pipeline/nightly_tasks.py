@@ -12,10 +12,11 @@ from typing import Any
 
 from hybridflow.config import PipelineConfig, model_preset_hidden_sizes, model_preset_names
 from hybridflow.exceptions import HybridflowError
+from hybridflow.layout import SIGNATURE_FILE, TrainingRunDir
 from hybridflow.paths import jobs_dir
 from hybridflow.pipeline import nightly, placement, quality
 from hybridflow.pipeline.registry import ModelRegistry
-from hybridflow.utils.slurm_jobs import generation, generation_run_dir
+from hybridflow.utils.slurm_jobs import generation
 
 
 def plan(config: PipelineConfig, run_type: str, params: dict[str, Any], ds: str) -> nightly.RunPlan:
@@ -64,7 +65,7 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
                                      quality.published_ds(config.storage.layout.dataset("features")))
     # retrain=N: generation N's own fresh run directory (the train and evaluate job names carry N too)
     retrain = generation(params.get("retrain", 0))
-    run_dir = generation_run_dir(config.storage.layout.training_run_dir(ds, run_id), retrain)
+    run_dir = config.storage.layout.training_run(ds, run_id).for_generation(retrain).root
     code = Path(config.cluster.jobs_dir).parent
     cfg = config.nightly
     run_config = {
@@ -122,7 +123,7 @@ def champion_parameters(champion: dict[str, Any] | None) -> int | None:
     """0 without a champion; its parameters as its export recorded them; None when not recorded."""
     if champion is None:
         return 0
-    model = _read_json(Path(champion["export_dir"]) / "signature.json").get("model")
+    model = _read_json(Path(champion["export_dir"]) / SIGNATURE_FILE).get("model")
     count = model.get("n_parameters") if isinstance(model, dict) else None
     return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
 
@@ -158,21 +159,21 @@ def decide_and_publish(config: PipelineConfig, prepared: dict[str, Any], ds: str
     challenger) with the decision and its reason in tags; a winning challenger then takes the champion alias,
     if the champion is still the one it was compared with."""
     from hybridflow.pipeline.champion import CHAMPION_MOVED, decide
-    from hybridflow.utils.mlflow_tracking import RUN_FILE, stored_run_id
+    from hybridflow.utils.mlflow_tracking import stored_run_id
 
-    run_dir = prepared["run_dir"]
-    evaluation = read_cluster_json(config, f"{run_dir}/evaluation.json")
+    run = TrainingRunDir(prepared["run_dir"])
+    evaluation = read_cluster_json(config, run.evaluation)
     if evaluation is None:
-        raise HybridflowError(f"{run_dir}/evaluation.json is missing: the evaluation job did not write it; "
+        raise HybridflowError(f"{run.evaluation} is missing: the evaluation job did not write it; "
                               "see its log (runbook: include/runbooks/evaluation.md)")
-    tracking = read_cluster_json(config, f"{run_dir}/{RUN_FILE}")
+    tracking = read_cluster_json(config, run.mlflow_run)
     training_run = stored_run_id(json.dumps(tracking)) if tracking else None
     if training_run is None:
-        raise HybridflowError(f"{run_dir}/{RUN_FILE} names no MLflow run: the training task logs its run when it "
+        raise HybridflowError(f"{run.mlflow_run} names no MLflow run: the training task logs its run when it "
                               "ends; clear it (it follows its finished job, it does not train again) and retry")
     decision = decide(evaluation, config.nightly.min_auc_gain, prepared["champion_version"])
     registry = model_registry(config)
-    record = registry.register(f"{run_dir}/export", run_id=training_run, details={
+    record = registry.register(run.export, run_id=training_run, details={
         "airflow_run_id": run_id, "ds": ds, "train_ds": prepared["train_ds"], "auc": decision.challenger["auc"],
         "log_loss": decision.challenger["log_loss"], "decision": decision.decision, "reason": decision.reason})
     result = {**decision.as_dict(), "holdout_rows": evaluation.get("holdout_rows"), "promoted_version": None,

@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from hybridflow.atomic import staged_dir
 from hybridflow.exceptions import HybridflowError
-from hybridflow.layout import StorageLayout
+from hybridflow.layout import EXPORT_FILES, MODEL_FILE, StorageLayout
 from hybridflow.utils.mlflow_tracking import clip
 
 if TYPE_CHECKING:
     from hybridflow.hooks.mlflow import MlflowHook
 
-EXPORT_FILES = ("model.pt", "signature.json", "smoke.json")
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 TAG_MODEL_DIR = "hybridflow.model_dir"
@@ -83,7 +82,7 @@ def version_record(model_version: Mapping[str, Any]) -> dict[str, Any]:
         "source": model_version.get("source"),
         "aliases": list(model_version.get("aliases") or []),
         "export_dir": model_dir,
-        "model_path": f"{model_dir}/model.pt" if model_dir else None,
+        "model_path": f"{model_dir}/{MODEL_FILE}" if model_dir else None,
         "sha256": tags.get(TAG_SHA256),
         "auc": _number(tags.get("hybridflow.holdout_auc")),
         "log_loss": _number(tags.get("hybridflow.holdout_log_loss")),
@@ -182,7 +181,7 @@ class ModelRegistry:
         if missing:
             raise RegistryError(f"export {export} lacks {', '.join(missing)}: the training job did not finish "
                                 "its export; rerun the training task (it resumes from its last checkpoint)")
-        sha256 = file_sha256(export / "model.pt")
+        sha256 = file_sha256(export / MODEL_FILE)
         self.mlflow.create_registered_model(self.model_name, description="hybridflow's model of record: alias "
                                             "champion serves and scores, challenger is the newest trained model")
         made = [v for v in self.mlflow.search_model_versions(self.model_name, run_id=run_id)
@@ -200,7 +199,7 @@ class ModelRegistry:
         """``v<N>-<sha12>/`` with the export's files: copied once; one already there must hold the same model."""
         target = self.version_dir(version, sha256)
         if target.exists():
-            if (target / "model.pt").is_file() and file_sha256(target / "model.pt") == sha256:
+            if (target / MODEL_FILE).is_file() and file_sha256(target / MODEL_FILE) == sha256:
                 return target
             raise RegistryError(f"{target} holds another model than its name says (version {version} of "
                                 f"{self.model_name}, sha256 {sha256[:12]}...): move it away and retry")
@@ -336,7 +335,7 @@ def import_json_registry(registry: ModelRegistry, path: Path) -> dict[str, Any]:
                 mlflow.upload_artifact(run["info"]["artifact_uri"], f"model/{name}", (model_dir / name).read_bytes())
             mlflow.finish_run(run["info"]["run_id"], "FINISHED", int(time.time() * 1000))
             tags = {TAG_IMPORTED_FROM: str(old), TAG_MODEL_DIR: str(model_dir),
-                    TAG_SHA256: record.get("sha256") or file_sha256(model_dir / "model.pt"),
+                    TAG_SHA256: record.get("sha256") or file_sha256(model_dir / MODEL_FILE),
                     TAG_PREVIOUS_CHAMPION: "" if previous is None else str(previous),
                     **version_tags({**record, "airflow_run_id": record.get("run_id")})}
             made = mlflow.create_model_version(

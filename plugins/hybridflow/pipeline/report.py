@@ -27,6 +27,7 @@ from typing import Any
 from hybridflow.atomic import staged_dir
 from hybridflow.config import CostConfig, ServingConfig
 from hybridflow.exceptions import ConfigError
+from hybridflow.layout import METRICS_FILE
 
 REPORT_FORMAT_VERSION = 1
 DEFAULT_P99_SLO_MS = ServingConfig.slo_p99_ms
@@ -194,7 +195,7 @@ NOT_MEASURED_WHEN_NONE: dict[str, dict[tuple[str, ...], str]] = {
     },
     "training": {("mean_gpu_utilization_pct",): "no GPU sampled", ("gpu_utilization_per_gpu",): "no GPU sampled",
                  ("allreduce_share_in_job",): "one rank all-reduces no gradients",
-                 ("time_split",): "the job wrote no time split (time_split_s in metrics.json)"},
+                 ("time_split",): f"the job wrote no time split (time_split_s in {METRICS_FILE})"},
     "evaluation": {("champion", key): "no champion (first model)" for key in ("auc", "log_loss", "version")},
     "deploy": {("previous_version",): "no previous version (first deploy)"},
     "record": {("model_version",): "no model was registered (the evaluation did not run)",

@@ -12,7 +12,9 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-MANIFEST_NAME = "MANIFEST.json"
+from hybridflow.layout import CHECKPOINT_MANIFEST
+
+MANIFEST_NAME = CHECKPOINT_MANIFEST
 STEP_DIR_RE = re.compile(r"^step_(0|[1-9]\d*)$")
 
 

@@ -1,6 +1,6 @@
 """What a training task records in MLflow, as pure functions of the run config, the job's files and the task's
-identity (the hook does the I/O). ``step_metrics.jsonl`` is written by jobs/hybridtrain/tracking.py; a test writes
-it with the job's writer and reads it with ``read_step_metrics`` here."""
+identity (the hook does the I/O; layout.TrainingRunDir names the files). ``step_metrics.jsonl`` is written by
+jobs/hybridtrain/tracking.py; a test writes it with the job's writer and reads it with ``read_step_metrics`` here."""
 
 from __future__ import annotations
 
@@ -17,9 +17,6 @@ RETRAIN_OF_TAG = "hybridflow.retrain_of"
 JOB_NAME_TAG = "hybridflow.slurm_job_name"
 JOB_NAME_SHA_TAG = "hybridflow.slurm_job_name_sha"  # searchable without escaping: on-call finds a job's run by it
 ONCALL_TAG = "hybridflow.oncall_action"
-RUN_FILE = "mlflow_run.json"  # in the run directory: the run id, so every attempt continues the same run
-CREDENTIALS_FILE = ".mlflow-credentials.json"  # in the run directory, 0600, removed once the task is done
-STEP_METRICS_FILE = "step_metrics.jsonl"  # the job's (jobs/hybridtrain/tracking.py)
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 # MLflow's limits: experiment names and tag values are stored verbatim, but not beyond these lengths
 MAX_EXPERIMENT_NAME = 500

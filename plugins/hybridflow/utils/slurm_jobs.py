@@ -190,8 +190,8 @@ def job_to_reattach(statuses: Iterable[SlurmJobStatus], requeue_enabled: bool) -
 # --- Training generations: a new job on purpose --------------------------------------------------------------
 # A task's job name comes from its DAG, task and run, so clearing a task whose job COMPLETED follows that job again:
 # right after a crash, wrong when the data was fixed and a fresh model is wanted. Generation N > 0 names another job
-# and another run directory; generation 0 keeps today's names, so jobs submitted before generations existed are
-# still found. Each generation is submitted at most once, like generation 0.
+# and another run directory (layout.TrainingRunDir.for_generation); generation 0 keeps today's names, so jobs
+# submitted before generations existed are still found. Each generation is submitted at most once, like generation 0.
 
 MAX_GENERATION = 1000
 
@@ -209,19 +209,6 @@ def generation_task_key(task_id: str, generation: int) -> str:
     """What stands for the task in the job name of ``generation``. No task id holds '@', so no real task (such as
     a group ``train`` with a task ``retrain-1``) can share the key and with it the job."""
     return task_id if generation == 0 else f"{task_id}@retrain-{generation}"
-
-
-def generation_run_dir(run_dir: str, generation: int) -> str:
-    """The run directory of ``generation``: ``run_dir`` for 0, else the sibling ``<run_dir>.retrain-<N>``.
-
-    A sibling, not a subdirectory: the new job starts from no checkpoint (fresh training, as after fixing data)
-    and the earlier generation's checkpoints, export and metrics stay as they were. A ``run_dir`` that already
-    names generation N is returned unchanged, so the DAG's prepare step and the operator can both apply it.
-    """
-    if generation == 0:
-        return run_dir
-    base, suffix = run_dir.rstrip("/") or run_dir, f".retrain-{generation}"
-    return base if base.endswith(suffix) else base + suffix
 
 
 # --- Job keys: which task instance a job runs for -------------------------------------------------------------

@@ -14,7 +14,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-HEARTBEAT_DIR = "heartbeats"  # jobs/hybridtrain/heartbeat.py HEARTBEAT_DIR
 STACK_FRAMES = 12  # frames of each stopped rank's stack kept in the report and the alert
 _FRAME_RE = re.compile(r"\s+(?P<func>.+) \((?P<path>/.+):(?P<line>\d+)\)$")
 _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/")

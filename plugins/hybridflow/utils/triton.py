@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlparse
 
 from hybridflow.exceptions import ConfigError
+from hybridflow.layout import MODEL_FILE, SIGNATURE_FILE, SMOKE_FILE  # an export's files; a version holds them too
 from hybridflow.paths import include_dir
 
 if TYPE_CHECKING:
@@ -23,10 +24,6 @@ MODEL_NAME_PATTERN = MODEL_NAME_RE.pattern
 BACKENDS = ("python", "pytorch_libtorch")
 INPUT_NAME = "INPUT__0"
 OUTPUT_NAME = "OUTPUT__0"
-# What the training job's export writes (jobs/hybridtrain/export.py) and what a version directory holds.
-MODEL_FILE = "model.pt"
-SIGNATURE_FILE = "signature.json"
-SMOKE_FILE = "smoke.json"
 PYTHON_BACKEND_FILE = "model.py"
 CONFIG_FILE = "config.pbtxt"
 # Written last into a version directory: its presence says the version is complete.

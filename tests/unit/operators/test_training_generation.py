@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 from hybridflow.exceptions import InvalidJobSpecError
+from hybridflow.layout import TrainingRunDir
 from hybridflow.utils.slurm import JOB_NAME_MAX_LENGTH, deterministic_job_name
-from hybridflow.utils.slurm_jobs import MAX_GENERATION, generation, generation_run_dir, generation_task_key
+from hybridflow.utils.slurm_jobs import MAX_GENERATION, generation, generation_task_key
 
 RUN_ID = "scheduled__2026-01-02T00:00:00+00:00"
 RUN_DIR = "/data/runs/nightly_training/ds=2026-01-02/scheduled__2026-01-02T00_00_00_00_00"
@@ -50,13 +51,13 @@ def test_generation_task_key(task_id, gen, key):
 ], ids=["gen0-unchanged", "gen1-sibling", "trailing-slash", "already-gen1-idempotent", "gen11-is-not-gen1",
         "other-generation-suffixed"])
 def test_generation_run_dir(run_dir, gen, expected):
-    assert generation_run_dir(run_dir, gen) == expected
+    assert TrainingRunDir(run_dir).for_generation(gen) == TrainingRunDir(expected)
 
 
 def test_generation_run_dir_is_never_inside_the_earlier_generation():
     """A subdirectory would sit in the earlier run's tree; a sibling leaves that tree exactly as it was."""
     for gen in (1, 2, MAX_GENERATION):
-        assert not generation_run_dir(RUN_DIR, gen).startswith(f"{RUN_DIR}/")
+        assert not TrainingRunDir(RUN_DIR).for_generation(gen).root.startswith(f"{RUN_DIR}/")
 
 
 def test_generation_job_names_gen0_unchanged_each_generation_its_own_stable_valid_name():

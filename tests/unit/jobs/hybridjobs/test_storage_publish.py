@@ -48,6 +48,30 @@ def test_partition_dir_layout_and_unknown_dataset(tmp_path):
         storage.partition_dir(tmp_path, "feature", "2026-01-05")
 
 
+@pytest.mark.parametrize(("dataset", "ds", "relative"), [
+    ("raw", "2026-01-05", "raw/ds=2026-01-05"),
+    ("features", "2024-02-29", "features/ds=2024-02-29"),
+    ("quarantine", "2026-01-05", "quarantine/ds=2026-01-05"),
+    ("predictions", "2025-12-31", "predictions/ds=2025-12-31"),
+])
+def test_a_jobs_partitions_are_partition_dirs(tmp_path, dataset, ds, relative):
+    """One Partitions per job names what partition_dir names, without checking its ds again at each path."""
+    assert storage.Partitions.under(tmp_path).dir(dataset, ds) == storage.partition_dir(tmp_path, dataset, ds)
+    assert storage.Partitions.under(str(tmp_path)).dir(dataset, ds) == tmp_path / relative
+
+
+def test_a_jobs_partitions_refuse_an_unknown_dataset(tmp_path):
+    with pytest.raises(ValueError, match="dataset must be one of"):
+        storage.Partitions.under(tmp_path).dir("feature", "2026-01-05")
+
+
+@pytest.mark.parametrize("ds", ["2026-01-05", "2024-02-29"])
+def test_a_parsed_ds_gives_what_its_text_gives(ds):
+    day = storage.parse_ds(ds)
+    assert storage.interval_end(day) == storage.interval_end(ds)
+    assert storage.lookback_ds(day, 3) == storage.lookback_ds(ds, 3)
+
+
 def _stage(target, files):
     staging = storage.new_staging_dir(target)
     staging.mkdir()

@@ -1,5 +1,6 @@
 """The training job runs on the cluster with torch, deepspeed, pyarrow, numpy and pandas only: no Airflow. Of the
-jobs' shared package it uses only the standard-library atomic writes (``hybridjobs.atomic``, shipped beside it)."""
+jobs' shared package it uses only standard-library modules shipped beside it: the atomic writes
+(``hybridjobs.atomic``) and the names of the run directory's files (``hybridjobs.layout``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 JOBS = Path(__file__).resolve().parents[4] / "jobs"
 SOURCES = [JOBS / "train.py", *sorted((JOBS / "hybridtrain").glob("*.py"))]
 ALLOWED_THIRD_PARTY = {"torch", "deepspeed", "numpy", "pyarrow", "pandas"}
+STDLIB_ONLY_SHARED = {"hybridjobs.atomic", "hybridjobs.layout"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -42,9 +44,11 @@ def test_training_job_imports_only_the_cluster_dependencies(path):
         f"{path} imports {sorted(foreign)}; the training job must not need Airflow or the package"
     )
     shared = {module for module in imported_modules(path) if module.split(".")[0] == "hybridjobs"}
-    assert shared <= {"hybridjobs.atomic"}, f"{path} imports {sorted(shared)}; of hybridjobs only atomic is stdlib-only"
+    assert shared <= STDLIB_ONLY_SHARED, (
+        f"{path} imports {sorted(shared)}; of hybridjobs only {sorted(STDLIB_ONLY_SHARED)} are stdlib-only")
 
 
-def test_the_atomic_writes_the_training_job_uses_need_only_the_standard_library():
-    atomic = JOBS / "hybridjobs" / "atomic.py"
-    assert imported_top_level_modules(atomic) <= set(sys.stdlib_module_names)
+@pytest.mark.parametrize("module", sorted(STDLIB_ONLY_SHARED))
+def test_the_shared_modules_the_training_job_uses_need_only_the_standard_library(module):
+    path = JOBS / (module.replace(".", "/") + ".py")
+    assert imported_top_level_modules(path) <= set(sys.stdlib_module_names)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from hybridflow.utils.mlflow_tracking import read_step_metrics
+from hybridjobs.layout import STEP_METRICS_FILE
 from hybridtrain.tracking import (
-    STEP_METRICS_FILE,
     LiveTracking,
     MlflowRest,
     StepMetricsLog,
