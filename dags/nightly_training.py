@@ -37,6 +37,7 @@ from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationS
 from hybridflow.operators.triton import TritonDeployOperator, approval_tasks, deploy_kwargs
 from hybridflow.params import integer, strict_params
 from hybridflow.paths import jobs_dir
+from hybridflow.pipeline.nightly import NightlyTask
 from hybridflow.sensors.checkpoint import CheckpointSensor
 from hybridflow.sensors.slurm import SlurmCapacitySensor
 from hybridflow.timetables import cron_schedule
@@ -53,7 +54,10 @@ PREDICTIONS = Asset(name="hybridflow_predictions", uri=f"file://{layout.dataset(
 def prepared_value(key: str) -> str:
     """A template for one field of training.prepare's result (a dict field renders as JSON)."""
     rendered = "| tojson " if key == "run_config" else ""
-    return "{{ ti.xcom_pull(task_ids='training.prepare')['" + key + "'] " + rendered + "}}"
+    return "{{ ti.xcom_pull(task_ids='" + NightlyTask.PREPARE + "')['" + key + "'] " + rendered + "}}"
+
+
+MODEL_OF_RECORD = "{{ ti.xcom_pull(task_ids='" + NightlyTask.MODEL_OF_RECORD + "')"  # a template's start
 
 
 # The run directory prepare chose (its generation's), as a template: a member only appends its name, so it renders
@@ -64,13 +68,13 @@ PREPARED_RUN = TrainingRunDir(prepared_value("run_dir"))
 def planned_placement(key: str, before: str) -> str:
     """A template for one field of the plan's training placement (CPU or GPU). A run planned before placement
     existed (one of its tasks cleared after an upgrade) renders ``before``, a Jinja expression: its GPU job."""
-    plan = "(ti.xcom_pull(task_ids='preflight.plan') or {})"
+    plan = "(ti.xcom_pull(task_ids='" + NightlyTask.PLAN + "') or {})"
     return "{{ (" + plan + ".get('placement') or {}).get('" + key + "', " + before + ") }}"
 
 
 def prepared_or(key: str, before: str) -> str:
     """A template for one field of training.prepare's result, ``before`` (Jinja) where an older prepare lacks it."""
-    return "{{ ti.xcom_pull(task_ids='training.prepare').get('" + key + "', " + before + ") }}"
+    return "{{ ti.xcom_pull(task_ids='" + NightlyTask.PREPARE + "').get('" + key + "', " + before + ") }}"
 
 
 with DAG(
@@ -233,7 +237,7 @@ with DAG(
         verified = CheckpointSensor(
             task_id="verified_checkpoint",
             checkpoint_root=PREPARED_RUN.checkpoints,
-            min_step="{{ ti.xcom_pull(task_ids='training.train')['metrics']['step'] }}",
+            min_step="{{ ti.xcom_pull(task_ids='" + NightlyTask.TRAIN + "')['metrics']['step'] }}",
             ssh_conn_id=cluster.ssh_conn_id, mode="poke", poke_interval=10, timeout=600,
         )
 
@@ -281,8 +285,8 @@ with DAG(
             **spark_submit_defaults(),
             application=str(jobs_dir() / "score_batch.py"),
             application_args=["--root", root, "--ds", "{{ ds }}",
-                              "--model", "{{ ti.xcom_pull(task_ids='scoring.model_of_record')['model_path'] }}",
-                              "--model-version", "{{ ti.xcom_pull(task_ids='scoring.model_of_record')['version'] }}"],
+                              "--model", MODEL_OF_RECORD + "['model_path'] }}",
+                              "--model-version", MODEL_OF_RECORD + "['version'] }}"],
             name="scoring-{{ ds }}",
             outlets=[PREDICTIONS],
             doc_md="Runbook: include/runbooks/scoring.md",
@@ -295,13 +299,10 @@ with DAG(
         @task
         def plan_deploy(run_plan: dict, model: dict, ti=None) -> str:
             from airflow.sdk.exceptions import AirflowSkipException
-            from hybridflow.hooks.triton import TritonHook
-            from hybridflow.pipeline.nightly import should_deploy
+            from hybridflow.pipeline.nightly_tasks import plan_deploy
 
-            decision = ti.xcom_pull(task_ids="evaluation.champion_challenger") or {}
-            serving = TritonHook(config.serving.triton_conn_id).ready_versions(config.serving.model_name)
-            deploy, reason = should_deploy(run_plan["deploy_mode"], decision.get("promoted_version"),
-                                           model["number"], serving)
+            decision = ti.xcom_pull(task_ids=NightlyTask.CHAMPION_CHALLENGER) or {}
+            deploy, reason = plan_deploy(config, run_plan, model, decision)
             print(f"Deploy: {reason}")
             if not deploy:
                 raise AirflowSkipException(reason)
@@ -309,10 +310,11 @@ with DAG(
 
         deploy_model = TritonDeployOperator(
             task_id="deploy_model",
-            export_dir="{{ ti.xcom_pull(task_ids='deploy.plan_deploy') }}",
+            export_dir="{{ ti.xcom_pull(task_ids='" + NightlyTask.PLAN_DEPLOY + "') }}",
             # the registry version it is: the Triton version's record names it (on-call goes from one to the other)
-            model_uri="{{ ti.xcom_pull(task_ids='scoring.model_of_record').get('version_uri', '') }}",
-            approval="{{ 'ask' if ti.xcom_pull(task_ids='preflight.plan')['deploy_mode'] == 'ask' else 'auto' }}",
+            model_uri=MODEL_OF_RECORD + ".get('version_uri', '') }}",
+            approval=("{{ 'ask' if ti.xcom_pull(task_ids='" + NightlyTask.PLAN + "')['deploy_mode'] == 'ask' "
+                      "else 'auto' }}"),
             **deploy_kwargs(config.serving),
             pool="triton_deploy",
         )
@@ -327,9 +329,9 @@ with DAG(
         def record_in_registry(ds=None, run_id=None, ti=None) -> dict:
             from hybridflow.pipeline.nightly_tasks import record_in_registry
 
-            deployed = (ti.xcom_pull(task_ids="deploy.finish_release", key="deploy_report")
-                        or ti.xcom_pull(task_ids="deploy.deploy_model", key="deploy_report"))
-            recorded = record_in_registry(config, ti.xcom_pull(task_ids="scoring.model_of_record"), deployed, ds,
+            deployed = (ti.xcom_pull(task_ids=NightlyTask.FINISH_RELEASE, key="deploy_report")
+                        or ti.xcom_pull(task_ids=NightlyTask.DEPLOY_MODEL, key="deploy_report"))
+            recorded = record_in_registry(config, ti.xcom_pull(task_ids=NightlyTask.MODEL_OF_RECORD), deployed, ds,
                                           run_id)
             print(f"MLflow registry: {recorded}")
             return recorded

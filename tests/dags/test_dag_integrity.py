@@ -203,3 +203,15 @@ print(json.dumps({{
     assert all(dag["tasks"] for dag in found["dags"].values()), "a DAG without tasks"
     assert missing == [], ("tasks that fail without alerting on-call; attach "
                            "hybridflow.dag_defaults.DEFAULT_ARGS (or failure_alert()) to them")
+
+
+def test_dag_nightly_task_ids_read_by_other_tasks_exist(dagbag):
+    """Templates, Python tasks and the run report pull XComs by NightlyTask's ids: a renamed task or group must
+    fail here, not render an empty pull in a night's run."""
+    from hybridflow.operators.report import NIGHTLY_SOURCES
+    from hybridflow.pipeline.nightly import NightlyTask
+
+    named = {value for key, value in vars(NightlyTask).items() if key.isupper()}
+    tasks = set(dagbag["dags"]["nightly_training"]["tasks"])
+    assert len(named) == 10 and named <= tasks, sorted(named - tasks)
+    assert set(NIGHTLY_SOURCES.values()) <= named

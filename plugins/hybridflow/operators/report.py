@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
+from hybridflow.pipeline.nightly import NightlyTask
 from hybridflow.ui import RunReportLink
 
 if TYPE_CHECKING:
@@ -15,14 +16,14 @@ if TYPE_CHECKING:
 
 # Where the nightly DAG's stages leave their figures.
 NIGHTLY_SOURCES = {
-    "plan": "preflight.plan",  # the training placement (CPU or GPU) and whether the run trains
-    "prepare": "training.prepare",  # the evaluation placement
-    "quality": "quality.quality_gate",
-    "preflight": "preflight.allreduce_preflight",
-    "training": "training.train",
-    "evaluation": "evaluation.champion_challenger",
-    "deploy": "deploy.deploy_model",
-    "release": "deploy.finish_release",  # a release held for approval (deploy=ask), as the person decided
+    "plan": NightlyTask.PLAN,  # the training placement (CPU or GPU) and whether the run trains
+    "prepare": NightlyTask.PREPARE,  # the evaluation placement
+    "quality": NightlyTask.QUALITY_GATE,
+    "preflight": NightlyTask.ALLREDUCE_PREFLIGHT,
+    "training": NightlyTask.TRAIN,
+    "evaluation": NightlyTask.CHAMPION_CHALLENGER,
+    "deploy": NightlyTask.DEPLOY_MODEL,
+    "release": NightlyTask.FINISH_RELEASE,
 }
 
 

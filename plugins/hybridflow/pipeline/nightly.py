@@ -14,6 +14,22 @@ from hybridflow.utils.efficiency import describe_time_shares
 MODES = ("auto", "always", "never")
 
 
+class NightlyTask:
+    """The nightly DAG's tasks whose results other tasks read (group.task), named once: the DAG's templates, its
+    Python tasks and the run report pull XComs through these (tests/dags checks that each exists)."""
+
+    PLAN = "preflight.plan"
+    ALLREDUCE_PREFLIGHT = "preflight.allreduce_preflight"
+    QUALITY_GATE = "quality.quality_gate"
+    PREPARE = "training.prepare"
+    TRAIN = "training.train"
+    CHAMPION_CHALLENGER = "evaluation.champion_challenger"
+    MODEL_OF_RECORD = "scoring.model_of_record"
+    PLAN_DEPLOY = "deploy.plan_deploy"
+    DEPLOY_MODEL = "deploy.deploy_model"
+    FINISH_RELEASE = "deploy.finish_release"  # a release held for approval (deploy=ask), as the person decided
+
+
 @dataclass(frozen=True)
 class RunPlan:
     ds: str

@@ -222,3 +222,12 @@ def scoring_figures(config: PipelineConfig, ds: str) -> dict[str, Any] | None:
     path = Path(config.storage.layout.partition("predictions", ds)) / "_MANIFEST.json"
     manifest = json.loads(path.read_text()) if path.is_file() else None
     return nightly.scoring_figures(manifest, config.spark.executor_cores)
+
+
+def plan_deploy(config: PipelineConfig, run_plan: dict, model: dict, decision: dict) -> tuple[bool, str]:
+    """Whether the run deploys the model of record, and why: the plan's deploy mode, the evaluation's decision
+    (``decision``: champion_challenger's result, empty when the run did not evaluate) and what Triton serves."""
+    from hybridflow.hooks.triton import TritonHook
+
+    serving = TritonHook(config.serving.triton_conn_id).ready_versions(config.serving.model_name)
+    return nightly.should_deploy(run_plan["deploy_mode"], decision.get("promoted_version"), model["number"], serving)
