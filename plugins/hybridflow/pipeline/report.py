@@ -26,7 +26,6 @@ from typing import Any
 
 from hybridflow.atomic import staged_dir
 from hybridflow.config import CostConfig, ServingConfig
-from hybridflow.exceptions import ConfigError
 from hybridflow.layout import METRICS_FILE
 
 REPORT_FORMAT_VERSION = 1
@@ -36,20 +35,6 @@ MAX_CHECKS = 200
 JSON_NAME = "report.json"
 HTML_NAME = "report.html"
 NOT_MEASURED = "not measured"
-
-
-@dataclass(frozen=True)
-class ReportConfig:
-    """The report's configuration: prices and the realtime latency budget drawn on the deploy chart."""
-
-    prices: CostConfig
-    p99_slo_ms: float = DEFAULT_P99_SLO_MS
-
-    def validate(self, where: str) -> None:
-        if isinstance(self.p99_slo_ms, bool) or not isinstance(self.p99_slo_ms, int | float) \
-                or not math.isfinite(self.p99_slo_ms) or self.p99_slo_ms <= 0:
-            raise ConfigError(f"{where}.p99_slo_ms: expected a positive number of milliseconds, got "
-                              f"{self.p99_slo_ms!r}")
 
 
 @dataclass(frozen=True)
