@@ -1,0 +1,153 @@
+"""The report's PNG charts, drawn only from measured figures; each chart not drawn says why. matplotlib is imported
+only when charts are drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridflow.pipeline.report.figures import NOT_MEASURED, is_measured
+
+
+@dataclass(frozen=True)
+class Chart:
+    name: str
+    file: str
+    title: str
+
+
+CHARTS = (
+    Chart("loss_curve", "loss_curve.png", "Training loss"),
+    Chart("holdout_metrics", "holdout_metrics.png", "Holdout metrics: challenger vs champion"),
+    Chart("deploy_latency", "deploy_latency.png", "Realtime latency vs SLO"),
+    Chart("nightly_history", "nightly_history.png", "Last 30 nights (MLflow)"),
+)
+
+
+def chart_plan(report: Mapping) -> dict[str, str | None]:
+    """For each chart: None when it can be drawn, else why it is not."""
+    sections = report["sections"]
+    plan: dict[str, str | None] = {}
+    training = sections["training"]
+    if not training["ran"]:
+        plan["loss_curve"] = training["why"]
+    elif not training["loss_curve"]["points"]:
+        plan["loss_curve"] = f"{NOT_MEASURED}: training.loss_curve has no finite points"
+    else:
+        plan["loss_curve"] = None
+    evaluation = sections["evaluation"]
+    if not evaluation["ran"]:
+        plan["holdout_metrics"] = evaluation["why"]
+    elif not any(is_measured(evaluation["figures"][key])
+                 for key in ("challenger_auc", "challenger_log_loss")):
+        plan["holdout_metrics"] = f"{NOT_MEASURED}: no challenger holdout metric"
+    else:
+        plan["holdout_metrics"] = None
+    deploy = sections["deploy"]
+    if not deploy["ran"]:
+        plan["deploy_latency"] = deploy["why"]
+    elif not any(is_measured(deploy["figures"][key]) for key in ("latency_p50_ms", "latency_p99_ms")):
+        plan["deploy_latency"] = f"{NOT_MEASURED}: no latency percentile from the deploy stage"
+    else:
+        plan["deploy_latency"] = None
+    record = sections["record"]
+    if not record["ran"]:
+        plan["nightly_history"] = record["why"]
+    elif record["history"].get("why"):
+        plan["nightly_history"] = record["history"]["why"]
+    elif len(record["history"]["nights"]) < 2:
+        plan["nightly_history"] = f"{NOT_MEASURED}: fewer than 2 finished nights in MLflow"
+    else:
+        plan["nightly_history"] = None
+    return plan
+
+
+def render_charts(report: Mapping, out_dir: Path) -> list[Path]:
+    """Draws the charts whose data was measured as PNG files in ``out_dir``; returns their paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = chart_plan(report)
+    sections = report["sections"]
+    written = []
+    for chart in CHARTS:
+        if plan[chart.name] is not None:
+            continue
+        figure = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+        FigureCanvasAgg(figure)
+        if chart.name == "loss_curve":
+            _draw_loss_curve(figure, sections["training"]["loss_curve"])
+        elif chart.name == "holdout_metrics":
+            _draw_holdout_metrics(figure, sections["evaluation"]["figures"])
+        elif chart.name == "nightly_history":
+            figure.set_size_inches(6.4, 6.0)
+            _draw_history(figure, sections["record"]["history"]["nights"])
+        else:
+            _draw_latency(figure, sections["deploy"]["figures"], report["slo"]["p99_ms"])
+        figure.suptitle(chart.title)
+        path = out_dir / chart.file
+        figure.savefig(path, format="png", metadata={"Software": None})
+        written.append(path)
+    return written
+
+
+def _draw_loss_curve(figure, curve: Mapping) -> None:
+    axes = figure.add_subplot()
+    steps, losses = zip(*curve["points"], strict=True)
+    axes.plot(steps, losses, marker="." if len(steps) < 50 else None)
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss")
+    axes.grid(alpha=0.3)
+
+
+def _draw_history(figure, nights: Sequence[Mapping]) -> None:
+    """Holdout AUC, rows trained and training time per night; a night without a figure leaves a gap."""
+    rows = (("auc", "holdout AUC"), ("rows", "rows trained"), ("train_s", "training time (s)"))
+    labels = [night["ds"] for night in nights]
+    for index, (key, label) in enumerate(rows, start=1):
+        axes = figure.add_subplot(len(rows), 1, index)
+        values = [float("nan") if night[key] is None else night[key] for night in nights]
+        axes.plot(range(len(nights)), values, marker="o")
+        axes.set_ylabel(label)
+        axes.grid(alpha=0.3)
+        axes.set_xticks(range(len(nights)), labels if index == len(rows) else [""] * len(nights),
+                        rotation=60, fontsize=7)
+
+
+def _draw_holdout_metrics(figure, figures: Mapping) -> None:
+    for index, metric in enumerate(("auc", "log_loss"), start=1):
+        axes = figure.add_subplot(1, 2, index)
+        labels, values = [], []
+        for side in ("challenger", "champion"):
+            figure_value = figures[f"{side}_{metric}"]
+            if is_measured(figure_value):
+                labels.append(side)
+                values.append(figure_value["value"])
+        axes.bar(labels, values, color=["#4c72b0", "#dd8452"][: len(values)])
+        axes.set_title("AUC (higher is better)" if metric == "auc" else "log loss (lower is better)")
+        if not values:
+            axes.text(0.5, 0.5, NOT_MEASURED, ha="center", va="center", transform=axes.transAxes)
+        axes.margins(y=0.15)
+        for position, value in enumerate(values):
+            axes.annotate(f"{value:.4f}", (position, value), ha="center", va="bottom")
+
+
+def _draw_latency(figure, figures: Mapping, slo_ms: float) -> None:
+    axes = figure.add_subplot()
+    labels, values = [], []
+    for key, label in (("latency_p50_ms", "p50"), ("latency_p99_ms", "p99")):
+        if is_measured(figures[key]):
+            labels.append(label)
+            values.append(figures[key]["value"])
+    colors = ["#4c72b0" if value <= slo_ms else "#c44e52" for value in values]
+    axes.bar(labels, values, color=colors)
+    axes.axhline(slo_ms, color="#c44e52", linestyle="--", label=f"p99 SLO {slo_ms:g} ms")
+    axes.set_ylabel("ms")
+    axes.margins(y=0.15)
+    axes.legend()
+    for position, value in enumerate(values):
+        axes.annotate(f"{value:.1f} ms", (position, value), ha="center", va="bottom")
