@@ -43,7 +43,9 @@ __all__ = [
     "build_manifest",
     "checkpoint_steps",
     "checkpoints_to_prune",
+    "files_under",
     "remove_checkpoint",
+    "resume_key",
     "resume_refusal",
     "select_resume_checkpoint",
     "sha256_file",
@@ -221,6 +223,22 @@ def select_resume_checkpoint(checkpoints_dir: Path) -> tuple[CheckpointCheck | N
     return None, skipped
 
 
+def resume_key(
+    plan: Mapping[str, Any], *, data_sha256: str, hidden_sizes: Iterable[int], dropout: float, zero_stage: int
+) -> dict[str, Any]:
+    """What a run must share with the run that wrote a checkpoint to resume it (see :func:`resume_refusal`).
+
+    :param plan: the training plan's fields; ``total_steps`` is left out: another epochs or max_steps may resume it.
+    """
+    return {
+        "plan": {k: v for k, v in plan.items() if k != "total_steps"},
+        "data_sha256": data_sha256,
+        "hidden_sizes": list(hidden_sizes),
+        "dropout": dropout,
+        "zero_stage": zero_stage,
+    }
+
+
 def resume_refusal(
     path: Path,
     manifest: Mapping[str, Any],
@@ -291,6 +309,11 @@ def checkpoints_to_prune(checkpoints_dir: Path, keep: int) -> list[Path]:
             if complete == keep:
                 return [older for _, older in entries[index + 1 :]]
     return []
+
+
+def files_under(directory: Path) -> list[str]:
+    """The files under ``directory`` as this process sees them, relative, in POSIX form."""
+    return [path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file()]
 
 
 def remove_checkpoint(step_dir: Path) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-__all__ = ["LOG_LOSS_EPS", "log_loss", "roc_auc"]
+__all__ = ["LOG_LOSS_EPS", "holdout_figures", "log_loss", "roc_auc"]
 
 LOG_LOSS_EPS = 1e-7
 
@@ -42,3 +44,17 @@ def log_loss(labels: np.ndarray, probabilities: np.ndarray) -> float:
             f"labels {truth.shape} and probabilities {prob.shape} must be 1-d of one non-zero length"
         )
     return float(-np.mean(truth * np.log(prob) + (1.0 - truth) * np.log1p(-prob)))
+
+
+def holdout_figures(step: int, labels: np.ndarray, logits: np.ndarray) -> dict[str, Any]:
+    """The holdout evaluation of the weights at ``step`` from the network's logits: what checkpoints, the step
+    metrics and ``metrics.json`` report."""
+    scores = np.asarray(logits).astype(np.float64)
+    probabilities = 1.0 / (1.0 + np.exp(-scores))
+    return {
+        "step": step,
+        "auc": roc_auc(labels, scores),
+        "log_loss": log_loss(labels, probabilities),
+        "rows": len(labels),
+        "positives": int(labels.sum()),
+    }

@@ -16,10 +16,11 @@ import torch
 from hybridjobs.atomic import staged_dir
 from hybridjobs.layout import MODEL_FILE, SIGNATURE_FILE, SMOKE_FILE
 from hybridtrain.config import ModelSpec
+from hybridtrain.errors import TrainingJobError
 from hybridtrain.model import ProbabilityModel, Standardize, build_network
 
-__all__ = ["BF16_LIMITS", "INPUT_NAME", "OUTPUT_NAME", "PRECISION_SAMPLE_ROWS", "SMOKE_ROWS", "export_model",
-           "precision_check"]
+__all__ = ["BF16_LIMITS", "ENGINE_TOLERANCE", "INPUT_NAME", "OUTPUT_NAME", "PRECISION_SAMPLE_ROWS", "SMOKE_ROWS",
+           "difference_from_engine", "export_model", "precision_check"]
 
 INPUT_NAME = "INPUT__0"
 OUTPUT_NAME = "OUTPUT__0"
@@ -29,6 +30,9 @@ SMOKE_ATOL = 1e-5
 # than this and the AUC by no more than this (issue 21).
 BF16_LIMITS = {"max_abs_diff": 0.01, "auc_diff": 0.001}
 PRECISION_SAMPLE_ROWS = 20_000
+# How far the export's smoke outputs may be from the trained engine's, by whether the engine computes in float32:
+# the engine computes in bf16/fp16 when the DeepSpeed config says so; the export always in float32.
+ENGINE_TOLERANCE = {True: 1e-5, False: 2e-2}
 
 
 def export_model(
@@ -99,6 +103,22 @@ def export_model(
         "n_features": n_features,
         "precision": precision,
     }
+
+
+def difference_from_engine(export_dir: Path, engine_outputs: np.ndarray, *, engine_float32: bool) -> float:
+    """How far the export's smoke outputs are from the engine's probabilities on the same rows.
+
+    :raises TrainingJobError: beyond :data:`ENGINE_TOLERANCE`: the export is not the model that was trained.
+    """
+    smoke = json.loads((export_dir / SMOKE_FILE).read_text())
+    difference = float(np.max(np.abs(np.array(smoke["outputs"]) - engine_outputs)))
+    tolerance = ENGINE_TOLERANCE[engine_float32]
+    if not difference <= tolerance:
+        raise TrainingJobError(
+            f"the exported model differs from the trained engine by {difference:.2e} (> {tolerance}) on "
+            f"the smoke rows: {export_dir} is not trustworthy"
+        )
+    return difference
 
 
 def precision_check(model: Any, inputs: np.ndarray, labels: np.ndarray, device: str) -> dict[str, Any]:

@@ -41,6 +41,7 @@ __all__ = [
     "TrackingConfig",
     "TrackingUnavailable",
     "code_version",
+    "open_step_log",
     "parse_tracking",
 ]
 
@@ -267,6 +268,23 @@ class StepMetricsLog:
     def close(self) -> None:
         if self.live is not None:
             self.live.close()
+
+
+def open_step_log(path: Path, rows_per_step: int, tracking: TrackingConfig | None) -> StepMetricsLog:
+    """Rank 0's step figures: the file always, MLflow live when the run config names a run. Unreadable
+    credentials leave the file alone: training goes on, and the Airflow task logs the file after the job."""
+    live = None
+    if tracking is not None:
+        try:
+            username, password = read_credentials(tracking.credentials_file)
+        except TrackingUnavailable as error:
+            log.warning("MLflow tracking unavailable (%s): training goes on; the Airflow task logs %s after "
+                        "the job", error, path.name)
+        else:
+            client = MlflowRest(tracking.uri, username, password)
+            live = LiveTracking(client, tracking.run_id, tracking.flush_every_s).start()
+            log.info("tracking: logging live to MLflow run %s at %s", tracking.run_id, tracking.uri)
+    return StepMetricsLog(path, rows_per_step, live)
 
 
 def code_version(root: Path | None = None) -> str:

@@ -13,7 +13,9 @@ from hybridtrain.checkpoints import (
     build_manifest,
     checkpoint_steps,
     checkpoints_to_prune,
+    files_under,
     remove_checkpoint,
+    resume_key,
     resume_refusal,
     select_resume_checkpoint,
     sha256_file,
@@ -385,3 +387,24 @@ def test_training_resume_refusal(manifest, run_key, world_size, refusal):
         assert message is None
     else:
         assert message is not None and refusal in message, message
+
+
+def test_training_resume_key_leaves_the_run_length_out():
+    """A run with another epochs or max_steps resumes the checkpoint; anything else that shapes the steps refuses."""
+    plan = {"n_train_rows": 1294, "batch_size": 32, "world_size": 2, "seed": 11, "steps_per_epoch": 20,
+            "accumulation": 2}
+    key = resume_key({**plan, "total_steps": 60}, data_sha256="abc", hidden_sizes=(64, 32), dropout=0.1,
+                     zero_stage=2)
+    assert key == {"plan": plan, "data_sha256": "abc", "hidden_sizes": [64, 32], "dropout": 0.1, "zero_stage": 2}
+    longer = resume_key({**plan, "total_steps": 600}, data_sha256="abc", hidden_sizes=[64, 32], dropout=0.1,
+                        zero_stage=2)
+    manifest = {"world_size": 2, "resume_key": key}
+    assert resume_refusal(Path("CK/step_40"), manifest, longer, world_size=2, checkpoints_dir=Path("CK")) is None
+
+
+def test_training_files_under_a_step_dir_are_relative_posix_paths(tmp_path):
+    (tmp_path / "sub" / "deeper").mkdir(parents=True)
+    for name in ("a.pt", "sub/b.pt", "sub/deeper/c.pt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(files_under(tmp_path)) == ["a.pt", "sub/b.pt", "sub/deeper/c.pt"]
+    assert files_under(tmp_path / "absent") == []

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hybridtrain.evaluation import LOG_LOSS_EPS, log_loss, roc_auc
+from hybridtrain.evaluation import LOG_LOSS_EPS, holdout_figures, log_loss, roc_auc
 
 
 def pairwise_auc(labels, scores) -> float:
@@ -74,3 +74,12 @@ def test_training_log_loss_table(labels, probabilities, expected):
 def test_training_log_loss_rejects_empty_input():
     with pytest.raises(ValueError):
         log_loss(np.array([]), np.array([]))
+
+
+def test_holdout_figures_score_the_logits_as_probabilities():
+    labels = np.array([1, 0, 1, 0, 0], dtype=np.float32)
+    logits = np.array([2.0, -1.0, 0.5, 0.7, -3.0], dtype=np.float32)
+    figures = holdout_figures(40, labels, logits)
+    assert figures == {"step": 40, "auc": roc_auc(labels, logits), "log_loss": pytest.approx(
+        log_loss(labels, 1 / (1 + np.exp(-logits.astype(np.float64))))), "rows": 5, "positives": 2}
+    assert figures["auc"] == 5 / 6 and isinstance(figures["positives"], int)

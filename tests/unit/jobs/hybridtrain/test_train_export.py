@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 from hybridtrain.config import ModelSpec
-from hybridtrain.export import SMOKE_ROWS, export_model
+from hybridtrain.errors import TrainingJobError
+from hybridtrain.export import SMOKE_ROWS, difference_from_engine, export_model
 from hybridtrain.features import standardization
 from hybridtrain.model import build_network
 
@@ -133,3 +134,16 @@ def test_training_precision_check_scores_labels_against_the_rows_after_the_smoke
     labels = (holdout[:, 0] > 0).astype(np.float32)
     result = precision_check(_probability_model(1.0, 0.0), np.concatenate([smoke, holdout]), labels, "cpu")
     assert result["check"]["auc_fp32"] == 1.0 and result["check"]["rows"] == 216
+
+
+@pytest.mark.parametrize(("engine_float32", "off_by", "fails"), [
+    (True, 5e-6, False), (True, 5e-5, True), (False, 1e-2, False), (False, 5e-2, True)])
+def test_the_export_must_score_the_smoke_rows_as_the_trained_engine_does(tmp_path, engine_float32, off_by, fails):
+    outputs = np.array([[0.25], [0.75]])
+    (tmp_path / "smoke.json").write_text(json.dumps({"outputs": outputs.tolist()}))
+    engine_outputs = outputs + np.array([[0.0], [off_by]])
+    if fails:
+        with pytest.raises(TrainingJobError, match="differs from the trained engine .* is not trustworthy"):
+            difference_from_engine(tmp_path, engine_outputs, engine_float32=engine_float32)
+    else:
+        assert difference_from_engine(tmp_path, engine_outputs, engine_float32=engine_float32) == pytest.approx(off_by)
