@@ -26,7 +26,8 @@ def test_slurm_operator_runs_a_gpu_job_to_completed_through_the_trigger(run_dag,
     assert returned["alloc_tres"]["gres/gpu"] == "1"
     # its efficiency from Slurm's accounting: the return value and its own XCom agree, nothing made up
     efficiency = task["xcom"]["efficiency"]
-    assert returned["efficiency"] == efficiency and efficiency["job_id"] == job_id and efficiency["runs"] == 1
+    assert returned["efficiency"] == efficiency and efficiency["job_id"] == job_id
+    assert efficiency.get("runs") == 1, efficiency  # not_measured says why, where accounting was not read
     assert efficiency["gpus"] == 1 and 3 <= efficiency["elapsed_s"] <= 6 and efficiency["queue_wait_s"] >= 0
     assert efficiency["gpu_hours_allocated"] == round(efficiency["elapsed_s"] / 3600, 4)
     assert efficiency["cpu_efficiency"] is not None or "cpu_efficiency" in efficiency["not_measured"]

@@ -14,7 +14,12 @@ from airflow.providers.common.compat.connection import get_async_connection
 from airflow.providers.ssh.hooks.ssh import SSHHook, SSHHookAsync
 from airflow.sdk import BaseHook
 
-from hybridflow.exceptions import SlurmConnectionError, SlurmConnectionLost, SlurmSubmitError
+from hybridflow.exceptions import (
+    SlurmConnectionError,
+    SlurmConnectionLost,
+    SlurmOutputParseError,
+    SlurmSubmitError,
+)
 from hybridflow.utils.capacity import CapacityVerdict, capacity_sinfo_argv, capacity_squeue_argv, capacity_verdict
 from hybridflow.utils.efficiency import accounting_settled, efficiency_argv, job_efficiency
 from hybridflow.utils.ledger import (
@@ -239,12 +244,18 @@ class SlurmHook(BaseHook):
 
     def efficiency(self, job_id: str, settle_s: float = 5) -> dict:
         """The ended job's efficiency from accounting (:func:`job_efficiency`). slurmctld sends slurmdbd a job's
-        end a moment after it ends: a record without it is read again, for up to ``settle_s``."""
+        end a moment after it ends, and a busy slurmdbd may refuse a query: a record without the end, or a sacct
+        that failed or printed what does not parse, is read again for up to ``settle_s``; then the last error
+        stands."""
         deadline = time.monotonic() + settle_s
         while True:
-            text = self._checked(efficiency_argv(job_id), "sacct")
-            if accounting_settled(text, job_id) or time.monotonic() >= deadline:
-                return job_efficiency(text, job_id)
+            try:
+                text = self._checked(efficiency_argv(job_id), "sacct")
+                if accounting_settled(text, job_id) or time.monotonic() >= deadline:
+                    return job_efficiency(text, job_id)
+            except (SlurmConnectionError, SlurmOutputParseError):
+                if time.monotonic() >= deadline:
+                    raise
             time.sleep(1)
 
     def ledger_day(self, partition: str, window: tuple[datetime, datetime],
