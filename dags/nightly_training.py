@@ -195,7 +195,7 @@ with DAG(
         wait_for_gpus = SlurmCapacitySensor(
             task_id="wait_for_gpus", partition=planned_placement("partition", repr(cluster.partition)),
             nodes="{{ params.nodes }}", gpus_per_node=planned_placement("gpus_per_node", "params.gpus_per_node"),
-            ssh_conn_id=cluster.ssh_conn_id, deferrable=True, poke_interval=15, timeout=6 * 3600,
+            ssh_conn_id=cluster.ssh_conn_id, poke_interval=15, timeout=6 * 3600,
         )
 
     with TaskGroup("training", tooltip="DeepSpeed on the planned Slurm partition (GPU or CPU)") as training:

@@ -1222,6 +1222,8 @@ def airflow_env() -> dict[str, str]:
         "AIRFLOW__API__SECRET_KEY": secret("api-secret-key", P.local_secrets),
         "AIRFLOW__API_AUTH__JWT_SECRET": secret("jwt-secret", P.local_secrets, 32),
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+        # The one deferral policy of every Slurm, Triton and checkpoint wait: in the triggerer, not a worker slot.
+        "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "True",
         "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
         "HYBRIDFLOW_STORAGE_ROOT": str(P.storage),
         "HYBRIDFLOW_CLUSTER_DIR": str(P.cluster),

@@ -8,7 +8,7 @@ from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, conf
 
 from hybridflow.config import ClusterConfig, RecoveryConfig
 from hybridflow.exceptions import SlurmConnectionError, SlurmJobFailed
@@ -50,7 +50,8 @@ class SlurmSubmitOperator(BaseOperator):
     :param setup_lines: trusted shell lines from configuration (module loads, venv activation); never user input.
     :param requeue: let Slurm requeue the job on preemption or node failure; followed up to ``max_requeues``.
     :param signal: ``SIG@seconds`` sent before the time limit so the job can checkpoint.
-    :param deferrable: wait in the triggerer (default) instead of holding a worker slot.
+    :param deferrable: wait in the triggerer instead of holding a worker slot (default: Airflow's ``[operators]
+        default_deferrable``, true on the local stack and in docker-compose).
     :param wait_before_defer_s: a deferrable task first waits this long for its job here (holding the worker slot):
         a short job's end is then seen at once and its task ends without the round trip through the triggerer
         (about 3 s). 0 defers at once.
@@ -103,7 +104,7 @@ class SlurmSubmitOperator(BaseOperator):
         reconnect_budget_s: float = ClusterConfig.reconnect_budget_s,
         log_tail_lines: int = 40,
         runbook: str = DEFAULT_RUNBOOK,
-        deferrable: bool = True,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         wait_before_defer_s: float = 20.0,
         hide_gpus_without_gres: bool = False,
         stall_timeout_s: float = 0.0,
