@@ -11,7 +11,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import localstack
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -24,6 +23,7 @@ from helpers.stack import LOCALSTACK, REPO
 from helpers.waiting import wait_until
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
+from stack.airflow import orphaned_executor_workers
 
 DAG = "nightly_training"
 DS = "2025-06-03"
@@ -245,7 +245,7 @@ def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each_through_a_control
     back_s = time.monotonic() - killed_at
     for service in control_plane:
         assert f"{service}: already up" not in brought_back, brought_back
-    assert not localstack.orphaned_executor_workers()  # the killed scheduler's idle workers are not left running
+    assert not orphaned_executor_workers()  # the killed scheduler's idle workers are not left running
     assert wait_for_task(api, run_id, "scoring.score_batch", {"running", "success"}) == "running", (
         "scoring ended before PostgreSQL could be killed under it")
     sigkill(["postgres"])
