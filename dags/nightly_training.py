@@ -2,10 +2,10 @@
 ### Nightly training pipeline
 
 One day's data through the whole estate: raw events -> **features** (Spark) -> **quality** gate -> **capacity**
-gate (`nodes` x `gpus` free) -> **training** (DeepSpeed on the Slurm GPU partition, one rank per GPU launched by
-`srun`, deferrable, resumable; or on the CPU partition, see `device`) -> **checkpoint** gate -> **evaluation**
-(challenger vs the model of record on the same holdout; promote only when better by the configured margin) ->
-**scoring** (Spark, with the model of record)
+gate (`nodes` x `gpus_per_node` free) -> **training** (DeepSpeed on the Slurm GPU partition, one rank per GPU
+launched by `srun`, deferrable, resumable; or on the CPU partition, see `device`) -> **checkpoint** gate ->
+**evaluation** (challenger vs the model of record on the same holdout; promote only when better by the configured
+margin) -> **scoring** (Spark, with the model of record)
 -> **deploy** (Triton: readiness, smoke test, latency gate, promote or roll back) -> **report** (HTML + JSON:
 volumes, quality, loss curve, ranks, all-reduce share, GPU-hours, utilization, cost, latency), and the model of
 record's MLflow registry version tagged with what it scored and the Triton version that serves it.
@@ -100,8 +100,9 @@ with DAG(
                               description="Network size from include/config/model_presets.json."),
         "nodes": Param(cfg.nodes, **integer(1, 64),
                        description="Nodes for the training job (data-parallel across nodes)."),
-        "gpus": Param(cfg.gpus, **integer(1, 8),
-                      description="GPUs per node; one DeepSpeed rank per GPU (nodes x gpus ranks in all). On the "
+        "gpus_per_node": Param(cfg.gpus_per_node, **integer(1, 8),
+                               description="GPUs per node; one DeepSpeed rank per GPU (nodes x gpus_per_node ranks in "
+                                           "all). On the "
                                   "CPU partition: as many CPU processes per node."),
         "device": Param(cfg.device, type="string", enum=list(DEVICES),
                         description="auto: CPU or GPU by the preset's measured throughput and cost per 1,000 rows "
@@ -161,7 +162,7 @@ with DAG(
             if not run_plan["train"]:
                 raise AirflowSkipException("this run does not train")
             side = (run_plan.get("placement") or {}).get("side", "gpu")  # a run planned before placement: GPU
-            return check_latest_preflight(config, params["nodes"], params["gpus"], side)
+            return check_latest_preflight(config, params["nodes"], params["gpus_per_node"], side)
 
         run_plan = plan()
         raw_ready = raw_events_published()
@@ -193,8 +194,8 @@ with DAG(
     with TaskGroup("capacity", tooltip="free GPUs (or nodes up) in the planned partition") as capacity:
         wait_for_gpus = SlurmCapacitySensor(
             task_id="wait_for_gpus", partition=planned_placement("partition", repr(cluster.partition)),
-            nodes="{{ params.nodes }}", gpus_per_node=planned_placement("gpus_per_node", "params.gpus"),
-            ssh_conn_id=cluster.ssh_conn_id, deferrable=True, poke_interval=15, timeout=6 * 3600,
+            nodes="{{ params.nodes }}", gpus_per_node=planned_placement("gpus_per_node", "params.gpus_per_node"),
+            ssh_conn_id=cluster.ssh_conn_id, poke_interval=15, timeout=6 * 3600,
         )
 
     with TaskGroup("training", tooltip="DeepSpeed on the planned Slurm partition (GPU or CPU)") as training:
@@ -216,8 +217,8 @@ with DAG(
             jobs_dir=cluster.jobs_dir,
             partition=planned_placement("partition", repr(cluster.partition)),
             nodes="{{ params.nodes }}",
-            gpus_per_node=planned_placement("gpus_per_node", "params.gpus"),  # 0 on the CPU partition: no GRES
-            ranks_per_node="{{ params.gpus }}",  # one rank per GPU, or as many CPU processes
+            gpus_per_node=planned_placement("gpus_per_node", "params.gpus_per_node"),  # 0 on the CPU partition: no GRES
+            ranks_per_node="{{ params.gpus_per_node }}",  # one rank per GPU, or as many CPU processes
             cpus_per_task=cfg.cpus_per_task,
             time_limit=cfg.time_limit_min,
             max_requeues=cluster.max_requeues,

@@ -17,7 +17,7 @@ config file's directory; keys starting with "_" are comments)::
       "epochs": 3,                                      and/or "max_steps": 500 (whichever ends first)
       "batch_size": 256,                                rows per process per micro-batch
       "gradient_accumulation_steps": 1,                 optional: micro-batches per optimizer step; global
-                                                        batch = batch_size x this x ranks (nodes x gpus)
+                                                        batch = batch_size x this x ranks (nodes x gpus_per_node)
       "learning_rate": 0.001,
       "checkpoint_every_steps": 100,
       "keep_last_checkpoints": 3,                       optional; default keeps every checkpoint

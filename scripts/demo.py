@@ -253,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dag == NIGHTLY:
         # The demo trains data-parallel on the GPU partition: two ranks (two emulated GPUs) unless --conf says
         # otherwise (device=auto would put the small preset on the CPU partition: pipeline.yaml placement).
-        conf.setdefault("gpus", DEMO_GPUS)
+        conf.setdefault("gpus_per_node", DEMO_GPUS)
         conf.setdefault("device", "gpu")
-        ensure_fresh_preflight(airflow, storage_root, args.timeout, conf.get("nodes", 1), conf["gpus"])
+        ensure_fresh_preflight(airflow, storage_root, args.timeout, conf.get("nodes", 1), conf["gpus_per_node"])
         ds = date.fromisoformat(args.ds) if args.ds else date.today() - timedelta(days=1)
         # A fresh timestamp on the requested day: the run's ds is that day, and a rerun is a new run of it.
         now = datetime.now(UTC)

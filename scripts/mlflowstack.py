@@ -1,4 +1,4 @@
-"""The MLflow tracking server of the local stack (standard library only; scripts/localstack.py runs it).
+"""The MLflow tracking server of the local stack (standard library only; scripts/stack/mlflow.py runs it).
 
     text = auth_ini(database_uri, admin_password)       # the basic-auth app's config (MLFLOW_AUTH_CONFIG_PATH)
     text = aws_credentials(access_key, secret_key)      # the server's S3 keys (AWS_SHARED_CREDENTIALS_FILE)

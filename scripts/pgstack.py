@@ -46,7 +46,8 @@ from typing import NamedTuple
 PG_VERSION = "15"  # Debian 12 (bookworm)
 APT_PACKAGES = [f"postgresql-{PG_VERSION}", f"postgresql-client-{PG_VERSION}"]
 BIN_DIR = Path(f"/usr/lib/postgresql/{PG_VERSION}/bin")  # Debian keeps initdb, postgres, pg_ctl off PATH
-# Absolute paths: `shutil.which` checks them as they are, so these fit localstack's REQUIRED_BINARIES check.
+# Absolute paths: `shutil.which` checks them as they are, so these fit the stack's REQUIRED_BINARIES check
+# (scripts/stack/system.py).
 REQUIRED_BINARIES = [str(BIN_DIR / name) for name in ("initdb", "postgres", "pg_ctl", "psql", "pg_isready")]
 
 PG_USER = "postgres"  # the system user that owns the cluster and runs the server

@@ -264,8 +264,8 @@ def resume_refusal(
     if isinstance(written_by, int) and written_by != world_size:
         return (
             f"checkpoint {path} was written by {_ranks(written_by)}; this run has {world_size}: resume with "
-            f"nodes x gpus = {_ranks(written_by)}, or start the run over (delete {checkpoints_dir}, or use a new "
-            "run_dir). ZeRO optimizer state is partitioned per rank and the batch order depends on the rank "
+            f"nodes x gpus_per_node = {_ranks(written_by)}, or start the run over (delete {checkpoints_dir}, or use a "
+            "new run_dir). ZeRO optimizer state is partitioned per rank and the batch order depends on the rank "
             "count, so the checkpoint cannot be resumed at another world size"
         )
     if stored == resume_key:

@@ -118,11 +118,11 @@ class NightlyConfig:
     batch_size: int = 256
     learning_rate: float = 0.002
     checkpoint_every_steps: int = 100
-    # Data-parallel training: `nodes` nodes x `gpus` GPUs per node, one rank per GPU.
+    # Data-parallel training: `nodes` nodes x `gpus_per_node` GPUs per node, one rank per GPU.
     nodes: int = 1
-    gpus: int = 1
+    gpus_per_node: int = 1
     # DeepSpeed: ZeRO stage (include/deepspeed/zero<stage>.json) and micro-batches per optimizer step; the global
-    # batch is batch_size x gradient_accumulation_steps x nodes x gpus.
+    # batch is batch_size x gradient_accumulation_steps x nodes x gpus_per_node.
     zero_stage: int = 1
     gradient_accumulation_steps: int = 1
     cpus_per_task: int = 2
@@ -152,7 +152,7 @@ class NightlyConfig:
         if not MODEL_NAME.fullmatch(self.model_name):
             raise ConfigError(f"{where}.model_name: {self.model_name!r}; use letters, digits, '_', '-' (1-64)")
         for key in ("simulate_raw_rows", "raw_wait_timeout_min", "train_window_days", "epochs", "max_steps",
-                    "batch_size", "checkpoint_every_steps", "nodes", "gpus", "gradient_accumulation_steps",
+                    "batch_size", "checkpoint_every_steps", "nodes", "gpus_per_node", "gradient_accumulation_steps",
                     "cpus_per_task", "torch_threads", "time_limit_min", "max_active_runs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive integer")

@@ -1,6 +1,6 @@
 """A real browser (Debian's headless chromium + chromedriver, driven by selenium) on the local Airflow UI.
 
-`make test` installs chromium and chromium-driver (scripts/localstack.py's ensure_packages) and selenium
+`make test` installs chromium and chromium-driver (scripts/stack/system.py's ensure_packages) and selenium
 (the [test] extra); when any is missing these tests fail saying so rather than skip. On a failure the test's
 tmp dir gets a screenshot and the page source.
 """
@@ -88,7 +88,7 @@ def admin_password(stack) -> str:
 def driver():
     missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not shutil.which(path)]
     if missing:
-        pytest.fail(f"{' and '.join(missing)} missing: `make test` installs them (scripts/localstack.py's "
+        pytest.fail(f"{' and '.join(missing)} missing: `make test` installs them (scripts/stack/system.py's "
                     "ensure_packages), or: apt-get install -y --no-install-recommends chromium "
                     "chromium-driver")
     try:

@@ -22,8 +22,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.integration]
 
 DAG_ID = "nightly_training"
-PARAMS = ["train", "deploy", "model_preset", "nodes", "gpus", "device", "epochs", "max_steps", "train_window_days",
-          "dry_run"]
+PARAMS = ["train", "deploy", "model_preset", "nodes", "gpus_per_node", "device", "epochs", "max_steps",
+          "train_window_days", "dry_run"]
 TERMINAL = ("success", "failed")
 WAIT_S = 30
 TRIGGER_BUTTON = (By.CSS_SELECTOR, "button[aria-label='Trigger Dag']")
@@ -133,13 +133,13 @@ def test_trigger_form_shows_every_param_with_its_description(ui, driver, airflow
 def test_trigger_form_refuses_invalid_values(ui, driver, airflow, run_id):
     dialog = open_trigger_form(driver, ui)
     turn_on_dry_run(driver, dialog)
-    gpus = field(dialog, "gpus").find_element(By.TAG_NAME, "input")
+    gpus = field(dialog, "gpus_per_node").find_element(By.TAG_NAME, "input")
     default_gpus = gpus.get_attribute("value")
 
     # An empty required param: the form says so and will not submit.
     replace_text(gpus, "")
     field(dialog, "epochs").find_element(By.TAG_NAME, "input").click()
-    wait(driver).until(lambda _: "This field is required" in text_of(field(dialog, "gpus")))
+    wait(driver).until(lambda _: "This field is required" in text_of(field(dialog, "gpus_per_node")))
     assert not submit_button(dialog).is_enabled(), "Trigger is enabled with a required param empty"
 
     # Out of range in the field: the number input does not keep 99 (it clamps to the param's maximum, 8).
@@ -152,25 +152,25 @@ def test_trigger_form_refuses_invalid_values(ui, driver, airflow, run_id):
     # Out of range through the run's configuration JSON: the server refuses and the form shows why.
     replace_text(gpus, default_gpus)
     editor = open_advanced_options(driver, dialog, run_id)
-    wait(driver).until(lambda _: f'"gpus": {default_gpus},' in editor.text)
+    wait(driver).until(lambda _: f'"gpus_per_node": {default_gpus},' in editor.text)
     lines = editor.text.split("\n")
-    row = next(i for i, line in enumerate(lines) if line.strip().startswith('"gpus"'))
+    row = next(i for i, line in enumerate(lines) if line.strip().startswith('"gpus_per_node"'))
     editor.click()
     keys = ActionChains(driver).key_down(Keys.CONTROL).send_keys(Keys.HOME).key_up(Keys.CONTROL)
     for _ in range(row):
         keys.send_keys(Keys.DOWN)
     keys.send_keys(Keys.END, Keys.LEFT, *[Keys.BACKSPACE] * len(default_gpus), "99").perform()
-    wait(driver).until(lambda _: '"gpus": 99,' in editor.text)
+    wait(driver).until(lambda _: '"gpus_per_node": 99,' in editor.text)
     # Monaco renders only the lines in view (about 11 of the conf's 13): dry_run is at the end, so go there.
     ActionChains(driver).key_down(Keys.CONTROL).send_keys(Keys.END).key_up(Keys.CONTROL).perform()
     wait(driver).until(lambda _: '"dry_run": true' in editor.text)
     submit_button(dialog).click()
     refusal = wait(driver).until(EC.visibility_of_element_located(
-        (By.XPATH, "//*[@role='dialog']//*[contains(text(), 'Invalid input for param gpus')]")))
+        (By.XPATH, "//*[@role='dialog']//*[contains(text(), 'Invalid input for param gpus_per_node')]")))
     assert "maximum of 8" in refusal.text, refusal.text
     assert dialog.is_displayed(), "the trigger form closed although the run was refused"
-    assert airflow.run(DAG_ID, run_id) is None, "a run was created with gpus=99"
-    assert not [r for r in airflow.recent_runs(DAG_ID) if (r.get("conf") or {}).get("gpus") == 99]
+    assert airflow.run(DAG_ID, run_id) is None, "a run was created with gpus_per_node=99"
+    assert not [r for r in airflow.recent_runs(DAG_ID) if (r.get("conf") or {}).get("gpus_per_node") == 99]
 
 
 def test_valid_trigger_starts_a_run(ui, driver, airflow, dag_unpaused, run_id):

@@ -215,3 +215,9 @@ def test_dag_nightly_task_ids_read_by_other_tasks_exist(dagbag):
     tasks = set(dagbag["dags"]["nightly_training"]["tasks"])
     assert len(named) == 10 and named <= tasks, sorted(named - tasks)
     assert set(NIGHTLY_SOURCES.values()) <= named
+
+
+def test_dag_files_leave_deferral_to_the_one_policy():
+    """Airflow's ``[operators] default_deferrable`` decides for every Slurm, Triton and checkpoint wait: a DAG file
+    that sets ``deferrable=`` itself would split the policy."""
+    assert [path.name for path in DAG_FILES if "deferrable=" in path.read_text()] == []

@@ -88,18 +88,19 @@ def test_nightly_default_run_of_the_small_preset_is_planned_onto_the_cpu_partiti
 
 
 @pytest.mark.parametrize("conf, partition, gres", [
-    ({"device": "gpu", "gpus": 2}, "gpu-training", "#SBATCH --gres=gpu:2"),
+    ({"device": "gpu", "gpus_per_node": 2}, "gpu-training", "#SBATCH --gres=gpu:2"),
     ({"model_preset": "large"}, "gpu-training", "#SBATCH --gres=gpu:1"),  # 4016x faster on a GPU
     ({"model_preset": "tiny"}, "gpu-training", "#SBATCH --gres=gpu:1"),  # no GPU figure: keeps the GPU
-    ({"device": "cpu", "model_preset": "large", "gpus": 2}, "cpu", None),
+    ({"device": "cpu", "model_preset": "large", "gpus_per_node": 2}, "cpu", None),
 ], ids=["small-gpu-asked", "large-auto", "tiny-not-measured", "large-cpu-asked"])
 def test_nightly_placement_renders_into_the_gate_and_the_train_job(dag, features, conf, partition, gres):
     params, xcoms = planned(dag, features, **conf)
     gate = render(dag, "capacity.wait_for_gpus", params, xcoms)
     train = render(dag, "training.train", params, xcoms)
-    gpus = str(params["gpus"]) if gres else "0"
+    ranks = str(params["gpus_per_node"])
+    gpus = ranks if gres else "0"
     assert (gate.partition, gate.gpus_per_node) == (partition, gpus)
-    assert (train.partition, train.gpus_per_node, train.ranks_per_node) == (partition, gpus, str(params["gpus"]))
+    assert (train.partition, train.gpus_per_node, train.ranks_per_node) == (partition, gpus, ranks)
     script = render_sbatch_script(train.build_spec("hf-test"))
     assert f"#SBATCH --partition={partition}" in script
     assert (gres in script) if gres else ("--gres" not in script and "CUDA_VISIBLE_DEVICES=''" in script)
@@ -140,7 +141,7 @@ def test_nightly_report_reads_the_placement_from_tasks_of_the_dag(dag):
 def test_nightly_run_planned_before_placement_keeps_its_gpu_job_when_a_task_is_cleared(dag, features):
     """A run planned by the DAG before placement existed has no placement in its XComs: its cleared gate, train
     and evaluate tasks render the GPU job and the cpu evaluation they had."""
-    params, xcoms = planned(dag, features, gpus=2)
+    params, xcoms = planned(dag, features, gpus_per_node=2)
     xcoms["preflight.plan"].pop("placement")
     for key in ("eval_partition", "eval_gpus", "evaluation_placement"):
         xcoms["training.prepare"].pop(key)

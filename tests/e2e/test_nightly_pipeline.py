@@ -11,7 +11,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import localstack
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -24,6 +23,7 @@ from helpers.stack import LOCALSTACK, REPO
 from helpers.waiting import wait_until
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.hooks.triton import TritonHook
+from stack.airflow import orphaned_executor_workers
 
 DAG = "nightly_training"
 DS = "2025-06-03"
@@ -111,7 +111,8 @@ def one_node_run(api, stack) -> dict:
     # Training refuses a missing or stale all-reduce preflight of its topology (a fresh stack has none): run it as
     # `make demo` does.
     ensure_fresh_preflight(local_airflow(), str(root), timeout_s=600, nodes=1, gpus_per_node=2)
-    run_id = trigger(api, {"model_preset": "small", "device": "gpu", "deploy": "always", "nodes": 1, "gpus": 2}, DS)
+    run_id = trigger(api, {"model_preset": "small", "device": "gpu", "deploy": "always", "nodes": 1,
+                           "gpus_per_node": 2}, DS)
     state = wait_for_run(api, DAG, run_id, timeout_s=900, poll_s=2)
     states = task_states(api, DAG, run_id)
     assert state == "success", f"the shared 1 x 2 nightly run {run_id} did not succeed: {states}"
@@ -219,7 +220,7 @@ def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each_through_a_control
     root = storage(stack)
     ensure_fresh_preflight(local_airflow(), str(root), timeout_s=600, nodes=2, gpus_per_node=1)
     run_id = trigger(api, {"model_preset": "small", "device": "gpu", "train": "always", "deploy": "never", "nodes": 2,
-                           "gpus": 1}, DS)
+                           "gpus_per_node": 1}, DS)
     wait_for_task(api, run_id, "training.train", {"deferred"})
     job_id = xcom(api, DAG, run_id, "training.train", key="slurm_job_id")
     # slurmctld saves its state in batches (within ~5 s): killed sooner after the allocation, it forgets it
@@ -244,7 +245,7 @@ def test_nightly_run_on_two_nodes_trains_with_one_rank_on_each_through_a_control
     back_s = time.monotonic() - killed_at
     for service in control_plane:
         assert f"{service}: already up" not in brought_back, brought_back
-    assert not localstack.orphaned_executor_workers()  # the killed scheduler's idle workers are not left running
+    assert not orphaned_executor_workers()  # the killed scheduler's idle workers are not left running
     assert wait_for_task(api, run_id, "scoring.score_batch", {"running", "success"}) == "running", (
         "scoring ended before PostgreSQL could be killed under it")
     sigkill(["postgres"])

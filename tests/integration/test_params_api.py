@@ -42,18 +42,18 @@ REFUSED = [
     ("cluster_utilization", '{"start_day": 20261206}', "start_day", None, NOT_STR),
     ("cluster_utilization", '{"end_day": null}', "end_day", None, NOT_STR),
     # integers: floats, huge, non-finite, out of range, wrong types
-    ("nightly_training", '{"gpus": 1.0}', "gpus", None, NOT_INT),
+    ("nightly_training", '{"gpus_per_node": 1.0}', "gpus_per_node", None, NOT_INT),
     ("nightly_training", '{"epochs": 1e2}', "epochs", None, NOT_INT),
     ("nightly_training", f'{{"max_steps": {HUGE}}}', "max_steps", None, ABOVE),
     ("nightly_training", f'{{"nodes": -{HUGE}}}', "nodes", None, BELOW),
     ("nightly_training", '{"nodes": NaN}', "nodes", None, NOT_INT),
-    ("nightly_training", '{"gpus": Infinity}', "gpus", None, NOT_INT),
+    ("nightly_training", '{"gpus_per_node": Infinity}', "gpus_per_node", None, NOT_INT),
     ("nightly_training", '{"epochs": -Infinity}', "epochs", None, NOT_INT),
     ("nightly_training", '{"train_window_days": 1e400}', "train_window_days", None, NOT_INT),
-    ("nightly_training", '{"gpus": 99}', "gpus", None, "greater than the maximum of 8"),
+    ("nightly_training", '{"gpus_per_node": 99}', "gpus_per_node", None, "greater than the maximum of 8"),
     ("nightly_training", '{"epochs": 0}', "epochs", None, "less than the minimum of 1"),
     ("nightly_training", '{"nodes": 65}', "nodes", None, "greater than the maximum of 64"),
-    ("nightly_training", '{"gpus": "8; rm -rf /"}', "gpus", None, NOT_INT),
+    ("nightly_training", '{"gpus_per_node": "8; rm -rf /"}', "gpus_per_node", None, NOT_INT),
     ("nightly_training", '{"nodes": "2 --wrap=id"}', "nodes", None, NOT_INT),
     ("nightly_training", '{"nodes": null}', "nodes", None, NOT_INT),
     ("nightly_training", '{"max_steps": true}', "max_steps", None, NOT_INT),
@@ -139,7 +139,7 @@ REFUSED = [
 
 # Good values of every kind: each creates a (dry) run on the DAGs with dry_run ...
 ACCEPTED_RUNS = [
-    ("nightly_training", '{"gpus": 2, "epochs": 3, "nodes": 1, "max_steps": 1000000, "model_preset": "tiny"}'),
+    ("nightly_training", '{"gpus_per_node": 2, "epochs": 3, "nodes": 1, "max_steps": 1000000, "model_preset": "tiny"}'),
     ("nightly_training", '{"device": "cpu", "model_preset": "large"}'),
     ("workload_router", '{"workload_type": "model_training", "config": {"hidden_sizes": "256,128", "batch": 64}, '
                         '"profile": {"gpu_speedup": 3.5, "batch_rows": 1e6, "cpu_p99_ms": 0}}'),

@@ -215,21 +215,21 @@ def free_port() -> int:
 @pytest.fixture
 def s3_triton(s3_bucket, monkeypatch, tmp_path):
     """A second real tritonserver (the same bundled binary) whose model repository is the S3 bucket."""
-    import localstack
+    from stack import triton
 
     bucket, s3, conn = s3_bucket
     s3.put_object(Bucket=bucket, Key="models/README", Body=b"Triton needs the repository prefix to exist")
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     endpoint = conn["extra"]["endpoint_url"].removeprefix("http://")
-    env = dict(localstack.triton_env(), AWS_ACCESS_KEY_ID=conn["login"], AWS_SECRET_ACCESS_KEY=conn["password"],
+    env = dict(triton.triton_env(), AWS_ACCESS_KEY_ID=conn["login"], AWS_SECRET_ACCESS_KEY=conn["password"],
                AWS_DEFAULT_REGION="us-east-1")
     log = open(tmp_path / "triton-s3.log", "w")
     server = subprocess.Popen(
-        [str(localstack.pytriton_dir() / "tritonserver/bin/tritonserver"),
+        [str(triton.pytriton_dir() / "tritonserver/bin/tritonserver"),
          f"--model-repository=s3://{endpoint}/{bucket}/models", "--model-control-mode=explicit",
          "--http-address=127.0.0.1", f"--http-port={http_port}", "--grpc-address=127.0.0.1",
          f"--grpc-port={grpc_port}", "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}",
-         f"--backend-directory={localstack.triton_backend_dir()}", "--exit-timeout-secs=5",
+         f"--backend-directory={triton.triton_backend_dir()}", "--exit-timeout-secs=5",
          f"--backend-config=python,shm-region-prefix-name=ts3{http_port}"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )

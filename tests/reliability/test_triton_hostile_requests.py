@@ -18,7 +18,6 @@ import time
 import uuid
 from pathlib import Path
 
-import localstack
 import numpy as np
 import pytest
 from helpers.processes import wait_group_gone
@@ -27,8 +26,9 @@ from helpers.triton_models import tiny_model
 from hybridflow.hooks.model_repository import LocalModelRepository
 from hybridflow.hooks.triton import TritonHook
 from hybridflow.utils.triton import ModelConfigSpec, Repository, python_backend_source, render_model_config
+from stack.common import STACK, P, read_pid
 
-HOST, PORT = "127.0.0.1", localstack.STACK["triton_http_port"]
+HOST, PORT = "127.0.0.1", STACK["triton_http_port"]
 N = 8  # features of the test model
 ROW = [0.25] * N
 
@@ -65,7 +65,7 @@ def get_status(path: str) -> int | None:
 
 def tritonserver_pid() -> int:
     """The tritonserver the guard supervises (the guard's pid is in the stack's triton.pid)."""
-    guard = localstack.read_pid(localstack.P.run_dir / "triton.pid")
+    guard = read_pid(P.run_dir / "triton.pid")
     assert guard, "the local stack's Triton guard is not running"
     for child in Path(f"/proc/{guard}/task/{guard}/children").read_text().split():
         if Path(f"/proc/{child}/comm").read_text().strip() == "tritonserver":
@@ -215,7 +215,7 @@ def test_hostile_grpc_requests_are_refused_by_the_guard_and_the_same_server_keep
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     pid = tritonserver_pid()
-    channel = grpc.insecure_channel(f"127.0.0.1:{localstack.STACK['triton_grpc_port']}")
+    channel = grpc.insecure_channel(f"127.0.0.1:{STACK['triton_grpc_port']}")
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     answers = {}
     for case, fields in GRPC_HOSTILE:

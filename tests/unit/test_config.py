@@ -96,7 +96,7 @@ def mutate(path: str, value):
         ("nightly.mlflow_experiment", "a\x00b", "holds control characters; use printable text"),
         ("nightly.mlflow_experiment", ["x"], "pipeline.nightly.mlflow_experiment: expected str, got list"),
         ("nightly.min_auc_gain", 1.5, "pipeline.nightly.min_auc_gain: 1.5; expected a value in [0, 1)"),
-        ("nightly.gpus", 0, "pipeline.nightly.gpus: 0; expected a positive integer"),
+        ("nightly.gpus_per_node", 0, "pipeline.nightly.gpus_per_node: 0; expected a positive integer"),
         ("nightly.simulate_raw", "yes", "pipeline.nightly.simulate_raw: expected bool, got str 'yes'"),
         ("nightly.simulate_raw_rows", "${ROWS_FROM_ENV:-many}", "simulate_raw_rows: expected int, got str 'many'"),
         ("spark.driver_memory", "lots", "pipeline.spark.driver_memory: 'lots'; expected a size such as 1g"),

@@ -8,11 +8,12 @@ from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, conf
 
 from hybridflow.config import ClusterConfig, RecoveryConfig
 from hybridflow.exceptions import SlurmConnectionError, SlurmJobFailed
 from hybridflow.ui import SlurmJobLink
+from hybridflow.utils.slurm import whole_number
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -49,7 +50,8 @@ class SlurmSubmitOperator(BaseOperator):
     :param setup_lines: trusted shell lines from configuration (module loads, venv activation); never user input.
     :param requeue: let Slurm requeue the job on preemption or node failure; followed up to ``max_requeues``.
     :param signal: ``SIG@seconds`` sent before the time limit so the job can checkpoint.
-    :param deferrable: wait in the triggerer (default) instead of holding a worker slot.
+    :param deferrable: wait in the triggerer instead of holding a worker slot (default: Airflow's ``[operators]
+        default_deferrable``, true on the local stack and in docker-compose).
     :param wait_before_defer_s: a deferrable task first waits this long for its job here (holding the worker slot):
         a short job's end is then seen at once and its task ends without the round trip through the triggerer
         (about 3 s). 0 defers at once.
@@ -102,7 +104,7 @@ class SlurmSubmitOperator(BaseOperator):
         reconnect_budget_s: float = ClusterConfig.reconnect_budget_s,
         log_tail_lines: int = 40,
         runbook: str = DEFAULT_RUNBOOK,
-        deferrable: bool = True,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         wait_before_defer_s: float = 20.0,
         hide_gpus_without_gres: bool = False,
         stall_timeout_s: float = 0.0,
@@ -151,7 +153,7 @@ class SlurmSubmitOperator(BaseOperator):
     @property
     def placement_side(self) -> str:
         """``"cpu"`` for a job that asks for no GPU, else ``"gpu"``."""
-        return "gpu" if _whole(self.gpus_per_node, "gpus_per_node") else "cpu"
+        return "gpu" if whole_number(self.gpus_per_node, "gpus_per_node") else "cpu"
 
     @cached_property
     def hook(self) -> SlurmHook:
@@ -183,9 +185,9 @@ class SlurmSubmitOperator(BaseOperator):
         if self.hide_gpus_without_gres and self.placement_side == "cpu":
             env = {"CUDA_VISIBLE_DEVICES": "", **self.env}
         return SlurmJobSpec(
-            job_name=name, partition=self.partition, command=self.command, nodes=_whole(self.nodes, "nodes"),
-            gpus_per_node=_whole(self.gpus_per_node, "gpus_per_node"),
-            ranks_per_node=_whole(self.ranks_per_node, "ranks_per_node"), gpu_type=self.gpu_type,
+            job_name=name, partition=self.partition, command=self.command, nodes=whole_number(self.nodes, "nodes"),
+            gpus_per_node=whole_number(self.gpus_per_node, "gpus_per_node"),
+            ranks_per_node=whole_number(self.ranks_per_node, "ranks_per_node"), gpu_type=self.gpu_type,
             cpus_per_task=self.cpus_per_task,
             mem=self.mem, time_limit=time_limit, account=self.account, qos=self.qos, constraint=self.constraint,
             signal=self.signal, requeue=self.requeue, output=f"{self.log_dir}/%x-%j.out",
@@ -250,7 +252,7 @@ class SlurmSubmitOperator(BaseOperator):
             max_requeues=self.max_requeues, poll_interval_s=self.poll_interval_s,
             reconnect_budget_s=self.reconnect_budget_s, progress_path=self.progress_path,
             heartbeat_dir=self.heartbeat_dir if self.stall_timeout_s else "", stall_timeout_s=self.stall_timeout_s,
-            world_size=_whole(self.nodes, "nodes") * max(_whole(self.ranks_per_node, "ranks_per_node"), 1),
+            world_size=whole_number(self.nodes, "nodes") * max(whole_number(self.ranks_per_node, "ranks_per_node"), 1),
             end_marker_dir=self.log_dir, recovery_log=self._recovery_log(),
             log_lines=self._recovery_config.log_lines, log_tail_lines=self.log_tail_lines,
         )
@@ -505,14 +507,3 @@ class SlurmSubmitOperator(BaseOperator):
         if self.job_id:
             status = self.hook.cancel(self.job_id)
             self.log.info("Cancelled Slurm job %s on kill: now %s", self.job_id, status.state if status else "gone")
-
-
-def _whole(value: int | str, name: str) -> int:
-    """A rendered template (text) or an int as an int; anything else names the field."""
-    from hybridflow.exceptions import InvalidJobSpecError
-
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    raise InvalidJobSpecError(f"{name}={value!r} is invalid: use a whole number")

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 from hybridflow.config import NightlyConfig
 from hybridflow.exceptions import GateFailed, SlurmJobFailed
 from hybridflow.layout import CONFIG_FILE, CREDENTIALS_FILE, EXPORT_FILES, METRICS_FILE, TrainingRunDir
-from hybridflow.operators.slurm import SlurmSubmitOperator, _whole
+from hybridflow.operators.slurm import SlurmSubmitOperator
 from hybridflow.ui import XCOM_MLFLOW_RUN_URL, MlflowRunLink
+from hybridflow.utils.slurm import whole_number
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -164,7 +165,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         if not recovery.node_check:
             return ()
         argv = [self.python, f"{self.jobs_dir}/node_check.py", "--checkpoint-dir", self.run_dir,
-                "--gpus", str(_whole(self.gpus_per_node, "gpus_per_node")),
+                "--gpus-per-node", str(whole_number(self.gpus_per_node, "gpus_per_node")),
                 "--min-free-gib", f"{recovery.node_min_free_gib:g}"]
         return (*argv, "--scratch-dir", recovery.node_scratch_dir) if recovery.node_scratch_dir else tuple(argv)
 
@@ -242,8 +243,8 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
             mlflow.set_status(run["info"]["run_id"], "RUNNING")
         if run_config is not None and not (run.get("data") or {}).get("params"):
             mlflow.log_batch(run["info"]["run_id"], params=tracking.training_params(
-                run_config, nodes=_whole(self.nodes, "nodes"), gpus_per_node=_whole(self.gpus_per_node,
-                "gpus_per_node"), ranks_per_node=_whole(self.ranks_per_node, "ranks_per_node")))
+                run_config, nodes=whole_number(self.nodes, "nodes"), gpus_per_node=whole_number(self.gpus_per_node,
+                "gpus_per_node"), ranks_per_node=whole_number(self.ranks_per_node, "ranks_per_node")))
         return run
 
     def _start_tracking(self, context: Context, run_config: Mapping[str, Any]) -> dict | None:

@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, BaseOperatorLink
+from airflow.sdk import BaseOperator, BaseOperatorLink, conf
 
 from hybridflow.config import ReleaseConfig, ServingConfig
 from hybridflow.exceptions import ConfigError, ModelRolledBack, TritonError
@@ -322,7 +322,8 @@ class TritonDeployOperator(TritonServingOperator):
     :param slo_p99_ms: the latency budget of one request at p99.
     :param concurrency: requests in flight during the latency gate; ``gate_requests`` how many in all.
     :param release: how the version meets real traffic (:class:`~hybridflow.config.ReleaseConfig`).
-    :param deferrable: wait for readiness in the triggerer (default) instead of holding a worker slot.
+    :param deferrable: wait for readiness in the triggerer instead of holding a worker slot (default: Airflow's
+        ``[operators] default_deferrable``).
     """
 
     template_fields: Sequence[str] = ("export_dir", "version", "approval", "model_uri", "model_name", "repository")
@@ -338,7 +339,7 @@ class TritonDeployOperator(TritonServingOperator):
         concurrency: int = ServingConfig.gate_concurrency,
         gate_requests: int = ServingConfig.gate_requests,
         release: ReleaseConfig | None = None,
-        deferrable: bool = True,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs,
     ):
         super().__init__(**kwargs)

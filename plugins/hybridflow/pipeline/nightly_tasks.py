@@ -24,7 +24,8 @@ def plan(config: PipelineConfig, run_type: str, params: dict[str, Any], ds: str)
     once here; the capacity gate and the train task read the partition and GPUs per node from this plan."""
     cfg = config.nightly
     where = placement.training_placement(
-        params.get("model_preset", cfg.model_preset), params.get("device", cfg.device), params.get("gpus", cfg.gpus),
+        params.get("model_preset", cfg.model_preset), params.get("device", cfg.device),
+        params.get("gpus_per_node", cfg.gpus_per_node),
         placement=config.placement, costs=config.costs, cpus_per_task=cfg.cpus_per_task,
         gpu_partition=config.cluster.partition)
     return nightly.plan_run(run_type, params, ds, placement=where.as_dict())

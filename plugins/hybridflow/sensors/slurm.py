@@ -11,6 +11,7 @@ from airflow.sdk import BaseSensorOperator, conf
 from airflow.sdk.exceptions import AirflowFailException, AirflowSensorTimeout
 
 from hybridflow.exceptions import SlurmConnectionError
+from hybridflow.utils.slurm import whole_number
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -50,8 +51,13 @@ class SlurmCapacitySensor(BaseSensorOperator):
 
         return SlurmHook(self.ssh_conn_id)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(GPUs per node, nodes) as rendered: the fields are templated, so they may arrive as text."""
+        return whole_number(self.gpus_per_node, "gpus_per_node"), whole_number(self.nodes, "nodes")
+
     def poke(self, context: Context) -> bool:
-        verdict = self.hook.capacity(self.partition, int(self.gpus_per_node), int(self.nodes))
+        verdict = self.hook.capacity(self.partition, *self.shape)
         self.last_reason = verdict.reason
         if verdict.impossible:
             raise AirflowFailException(f"{verdict.reason}. Runbook: include/runbooks/capacity.md")
@@ -69,8 +75,8 @@ class SlurmCapacitySensor(BaseSensorOperator):
         from hybridflow.triggers.slurm import SlurmCapacityTrigger
 
         self.defer(
-            trigger=SlurmCapacityTrigger(partition=self.partition, gpus_per_node=int(self.gpus_per_node),
-                                         nodes=int(self.nodes), ssh_conn_id=self.ssh_conn_id,
+            trigger=SlurmCapacityTrigger(partition=self.partition, gpus_per_node=self.shape[0], nodes=self.shape[1],
+                                         ssh_conn_id=self.ssh_conn_id,
                                          poke_interval_s=self.poke_interval, timeout_s=self.timeout),
             method_name="execute_complete", timeout=timedelta(seconds=self.timeout + 300),
         )

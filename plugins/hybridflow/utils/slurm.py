@@ -135,6 +135,17 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DIRECTIVE_BREAKERS_RE = re.compile(r"[\x00-\x1f\x7f\\]")
 
 
+def whole_number(value: object, field_name: str) -> int:
+    """A count from a DAG as an int: an int, or a rendered template's text (``"{{ params.gpus_per_node }}"``
+    renders to ``"2"``). The one conversion at the operator and sensor boundary; the params' schemas bound the
+    value before it gets here. Anything else names the field."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise InvalidJobSpecError(f"{field_name}={value!r} is invalid: use a whole number")
+
+
 def _fail(field_name: str, value: object, fix: str) -> InvalidJobSpecError:
     return InvalidJobSpecError(f"SlurmJobSpec.{field_name}={value!r} is invalid: {fix}")
 

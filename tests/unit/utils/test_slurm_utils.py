@@ -920,3 +920,19 @@ def test_node_check_runs_once_per_node_with_its_gpus_before_the_ranks_and_exclud
 def test_bad_node_check_or_exclude_is_refused_naming_the_field(field_name, value):
     with pytest.raises(InvalidJobSpecError, match=field_name):
         _minimal_spec(**{field_name: value})
+
+
+@pytest.mark.parametrize(("value", "expected"), [(2, 2), ("2", 2), (" 8 ", 8), ("0", 0), (0, 0)])
+def test_whole_number_takes_an_int_or_a_rendered_template(value, expected):
+    from hybridflow.utils.slurm import whole_number
+
+    assert whole_number(value, "gpus_per_node") == expected
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1.5", "-1", "", "2; rm -rf /", "{{ params.gpus_per_node }}", None, [2]])
+def test_whole_number_refuses_anything_else_naming_the_field(value):
+    from hybridflow.exceptions import InvalidJobSpecError
+    from hybridflow.utils.slurm import whole_number
+
+    with pytest.raises(InvalidJobSpecError, match=r"gpus_per_node=.* is invalid: use a whole number"):
+        whole_number(value, "gpus_per_node")

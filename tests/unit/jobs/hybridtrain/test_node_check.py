@@ -68,7 +68,7 @@ def test_the_node_fails_on_any_failed_check_and_the_line_names_node_and_check(tm
 
 def test_the_cli_exits_79_with_the_line_the_operator_reads(tmp_path):
     env = {**os.environ, "SLURMD_NODENAME": "gpu-node-07", "PYTHONPATH": str(JOBS)}
-    argv = [sys.executable, str(JOBS / "node_check.py"), "--checkpoint-dir", str(tmp_path), "--gpus", "0",
+    argv = [sys.executable, str(JOBS / "node_check.py"), "--checkpoint-dir", str(tmp_path), "--gpus-per-node", "0",
             "--min-free-gib", "0.001"]
     healthy = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert healthy.returncode == 0 and healthy.stdout.startswith("node check gpu-node-07: ok (gpus: ")

@@ -321,16 +321,17 @@ def _key(plan: dict | None = None, **changes) -> dict:
             {"world_size": 2, "resume_key": _key()},
             _key({"world_size": 1}),
             1,
-            "checkpoint CK/step_40 was written by 2 ranks; this run has 1: resume with nodes x gpus = 2 ranks, or "
-            "start the run over (delete CK, or use a new run_dir). ZeRO optimizer state is partitioned per rank "
-            "and the batch order depends on the rank count, so the checkpoint cannot be resumed at another world "
-            "size",
+            "checkpoint CK/step_40 was written by 2 ranks; this run has 1: resume with nodes x gpus_per_node = 2 "
+            "ranks, or start the run over (delete CK, or use a new run_dir). ZeRO optimizer state is partitioned "
+            "per rank and the batch order depends on the rank count, so the checkpoint cannot be resumed at another "
+            "world size",
         ),
         (
             {"world_size": 1, "resume_key": _key({"world_size": 1}, data_sha256="old")},
             _key({"world_size": 4}),
             4,
-            "checkpoint CK/step_40 was written by 1 rank; this run has 4: resume with nodes x gpus = 1 rank, or",
+            "checkpoint CK/step_40 was written by 1 rank; this run has 4: resume with nodes x gpus_per_node = 1 rank, "
+            "or",
         ),
         (
             {"resume_key": _key({"world_size": 8})},
