@@ -18,14 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from airflow_session import local_airflow  # noqa: E402
+from hybridflow.utils.latency import percentile  # noqa: E402
 
 DAG_ID = "platform_healthcheck"
 TASK_ID = "slurm_gpu_job"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def job_ended_at(stdout_path: str) -> float:
@@ -47,7 +43,7 @@ def main(runs: int = 10, hold_s: int = 0) -> dict:
         latencies.append(latency)
         print(f"run {i + 1}/{runs}: job {result['job_id']} end -> task success {latency:.2f} s", flush=True)
     figures = {"runs": runs, "hold_s": hold_s, "median_s": round(statistics.median(latencies), 2),
-               "p95_s": round(percentile(latencies, 0.95), 2), "max_s": round(max(latencies), 2),
+               "p95_s": round(percentile(latencies, 95), 2), "max_s": round(max(latencies), 2),
                "samples_s": [round(x, 2) for x in latencies]}
     print(f"RESULT trigger_latency hold_s={hold_s} median_s={figures['median_s']} p95_s={figures['p95_s']}", flush=True)
     return figures

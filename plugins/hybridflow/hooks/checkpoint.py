@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import posixpath
 from typing import Protocol
 
@@ -95,3 +96,16 @@ def newest_complete(store: CheckpointStore, min_step: int = 0, with_hashes: bool
             return verdict, rejected
         rejected.append(verdict)
     return None, rejected
+
+
+def ready_checkpoint(store: CheckpointStore, root: str, min_step: int, with_hashes: bool,
+                     log: logging.Logger) -> dict | None:
+    """The checkpoint gate's answer, one rule for the sensor and its trigger: the newest complete checkpoint at or
+    after ``min_step`` as ``{"name", "step", "path", "metrics"}``, or None; newer ones that fail are logged."""
+    verdict, rejected = newest_complete(store, min_step, with_hashes)
+    for bad in rejected:
+        log.warning("skipping %s/%s: %s", root, bad.name, "; ".join(bad.problems))
+    if verdict is None:
+        return None
+    return {"name": verdict.name, "step": verdict.step, "path": f"{root.rstrip('/')}/{verdict.name}",
+            "metrics": dict(verdict.manifest.get("metrics", {}))}

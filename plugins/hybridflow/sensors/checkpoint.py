@@ -67,19 +67,13 @@ class CheckpointSensor(BaseSensorOperator):
         return {k: event[k] for k in ("name", "step", "path", "metrics")}
 
     def poke(self, context: Context) -> PokeReturnValue:
-        from hybridflow.hooks.checkpoint import newest_complete, open_store
+        from hybridflow.hooks.checkpoint import open_store, ready_checkpoint
 
         store = open_store(self.checkpoint_root, self.ssh_conn_id, self.storage_conn_id)
-        verdict, rejected = newest_complete(store, int(self.min_step), self.verify_hashes)
-        for bad in rejected:
-            self.log.warning("skipping %s/%s: %s", self.checkpoint_root, bad.name, "; ".join(bad.problems))
-        if verdict is None:
+        found = ready_checkpoint(store, self.checkpoint_root, int(self.min_step), self.verify_hashes, self.log)
+        if found is None:
             self.log.info("no complete checkpoint at or after step %s under %s yet", self.min_step,
                           self.checkpoint_root)
             return PokeReturnValue(is_done=False)
-        self.log.info("complete checkpoint %s (step %d, %d files verified)", verdict.name, verdict.step,
-                      len(verdict.manifest["files"]))
-        return PokeReturnValue(is_done=True, xcom_value={
-            "name": verdict.name, "step": verdict.step, "path": f"{self.checkpoint_root.rstrip('/')}/{verdict.name}",
-            "metrics": verdict.manifest.get("metrics", {}),
-        })
+        self.log.info("complete checkpoint %s (step %d)", found["name"], found["step"])
+        return PokeReturnValue(is_done=True, xcom_value=found)

@@ -54,16 +54,10 @@ class CheckpointTrigger(BaseTrigger):
         })
 
     def _poll(self, store) -> dict | None:
-        from hybridflow.hooks.checkpoint import newest_complete
+        from hybridflow.hooks.checkpoint import ready_checkpoint
 
-        verdict, rejected = newest_complete(store, self.min_step, self.verify_hashes)
-        for bad in rejected:
-            self.log.warning("skipping %s/%s: %s", self.checkpoint_root, bad.name, "; ".join(bad.problems))
-        if verdict is None:
-            return None
-        return {"status": "found", "name": verdict.name, "step": verdict.step,
-                "path": f"{self.checkpoint_root.rstrip('/')}/{verdict.name}",
-                "metrics": dict(verdict.manifest.get("metrics", {}))}
+        found = ready_checkpoint(store, self.checkpoint_root, self.min_step, self.verify_hashes, self.log)
+        return None if found is None else {"status": "found", **found}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from hybridflow.hooks.checkpoint import open_store

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hybridflow.exceptions import ConfigError
+from hybridflow.utils.latency import percentile
 
 PASS, FAIL, WAIT = "pass", "fail", "wait"
 PSI_FLOOR = 1e-4  # an empty decile would make PSI infinite: count it as this share instead
@@ -62,12 +63,9 @@ class Verdict:
         return asdict(self)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) by nearest rank; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+def _p99_ms(latencies_ms: Sequence[float]) -> float:
+    """NaN where no request was answered: no p99 is not within any limit."""
+    return percentile(latencies_ms, 99) if latencies_ms else math.nan
 
 
 def decile_edges(sample: Sequence[float], min_gap: float = MIN_BIN_WIDTH) -> list[float]:
@@ -101,9 +99,9 @@ def judge(stable: VersionFigures, candidate: VersionFigures, limits: StepThresho
                               "needed on each version so far",), figures)
     reasons = []
     error_rate = candidate.errors / candidate.requests
-    p99 = percentile(candidate.latencies_ms, 99)
+    p99 = _p99_ms(candidate.latencies_ms)
     figures.update(error_rate=round(error_rate, 6), p99_ms=round(p99, 3),
-                   stable_p99_ms=round(percentile(stable.latencies_ms, 99), 3))
+                   stable_p99_ms=round(_p99_ms(stable.latencies_ms), 3))
     if error_rate > limits.max_error_rate:
         reasons.append(f"error rate {error_rate:.2%} > {limits.max_error_rate:.2%}")
     if not p99 <= limits.max_p99_ms:

@@ -177,7 +177,8 @@ def test_triton_versions_of_an_index_keeps_one_model():
 def test_latency_percentile_is_nearest_rank():
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == 50 and percentile(values, 99) == 99 and percentile(values, 100) == 100
-    assert percentile([3.0], 99) == 3.0
+    assert percentile([3.0], 99) == 3.0 and percentile([3.0, 1.0, 2.0], 50) == 2.0  # unsorted in, observed out
+    assert percentile([float(v) for v in range(1, 11)], 10) == 1
     with pytest.raises(ValueError):
         percentile([], 50)
 

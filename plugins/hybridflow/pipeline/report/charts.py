@@ -4,11 +4,33 @@ only when charts are drawn.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridflow.pipeline.report.figures import NOT_MEASURED, is_measured
+
+
+def _no_loss_points(training: Mapping) -> str | None:
+    return None if training["loss_curve"]["points"] else f"{NOT_MEASURED}: training.loss_curve has no finite points"
+
+
+def _no_holdout_metric(evaluation: Mapping) -> str | None:
+    if any(is_measured(evaluation["figures"][key]) for key in ("challenger_auc", "challenger_log_loss")):
+        return None
+    return f"{NOT_MEASURED}: no challenger holdout metric"
+
+
+def _no_latency(deploy: Mapping) -> str | None:
+    if any(is_measured(deploy["figures"][key]) for key in ("latency_p50_ms", "latency_p99_ms")):
+        return None
+    return f"{NOT_MEASURED}: no latency percentile from the deploy stage"
+
+
+def _too_few_nights(record: Mapping) -> str | None:
+    if record["history"].get("why"):
+        return record["history"]["why"]
+    return None if len(record["history"]["nights"]) >= 2 else f"{NOT_MEASURED}: fewer than 2 finished nights in MLflow"
 
 
 @dataclass(frozen=True)
@@ -16,52 +38,24 @@ class Chart:
     name: str
     file: str
     title: str
+    section: str  # the report section it draws from; a section that did not run says why for it
+    why_not: Callable[[Mapping], str | None]  # of a section that ran: why its figures cannot be drawn, or None
 
 
 CHARTS = (
-    Chart("loss_curve", "loss_curve.png", "Training loss"),
-    Chart("holdout_metrics", "holdout_metrics.png", "Holdout metrics: challenger vs champion"),
-    Chart("deploy_latency", "deploy_latency.png", "Realtime latency vs SLO"),
-    Chart("nightly_history", "nightly_history.png", "Last 30 nights (MLflow)"),
+    Chart("loss_curve", "loss_curve.png", "Training loss", "training", _no_loss_points),
+    Chart("holdout_metrics", "holdout_metrics.png", "Holdout metrics: challenger vs champion", "evaluation",
+          _no_holdout_metric),
+    Chart("deploy_latency", "deploy_latency.png", "Realtime latency vs SLO", "deploy", _no_latency),
+    Chart("nightly_history", "nightly_history.png", "Last 30 nights (MLflow)", "record", _too_few_nights),
 )
 
 
 def chart_plan(report: Mapping) -> dict[str, str | None]:
     """For each chart: None when it can be drawn, else why it is not."""
     sections = report["sections"]
-    plan: dict[str, str | None] = {}
-    training = sections["training"]
-    if not training["ran"]:
-        plan["loss_curve"] = training["why"]
-    elif not training["loss_curve"]["points"]:
-        plan["loss_curve"] = f"{NOT_MEASURED}: training.loss_curve has no finite points"
-    else:
-        plan["loss_curve"] = None
-    evaluation = sections["evaluation"]
-    if not evaluation["ran"]:
-        plan["holdout_metrics"] = evaluation["why"]
-    elif not any(is_measured(evaluation["figures"][key])
-                 for key in ("challenger_auc", "challenger_log_loss")):
-        plan["holdout_metrics"] = f"{NOT_MEASURED}: no challenger holdout metric"
-    else:
-        plan["holdout_metrics"] = None
-    deploy = sections["deploy"]
-    if not deploy["ran"]:
-        plan["deploy_latency"] = deploy["why"]
-    elif not any(is_measured(deploy["figures"][key]) for key in ("latency_p50_ms", "latency_p99_ms")):
-        plan["deploy_latency"] = f"{NOT_MEASURED}: no latency percentile from the deploy stage"
-    else:
-        plan["deploy_latency"] = None
-    record = sections["record"]
-    if not record["ran"]:
-        plan["nightly_history"] = record["why"]
-    elif record["history"].get("why"):
-        plan["nightly_history"] = record["history"]["why"]
-    elif len(record["history"]["nights"]) < 2:
-        plan["nightly_history"] = f"{NOT_MEASURED}: fewer than 2 finished nights in MLflow"
-    else:
-        plan["nightly_history"] = None
-    return plan
+    return {chart.name: chart.why_not(sections[chart.section]) if sections[chart.section]["ran"]
+            else sections[chart.section]["why"] for chart in CHARTS}
 
 
 def render_charts(report: Mapping, out_dir: Path) -> list[Path]:
