@@ -629,7 +629,7 @@ def test_training_job_refuses_a_checkpoint_of_two_ranks_in_a_one_rank_run(split_
     checkpoints = tmp_path / "run" / "checkpoints"
     message = (
         f"checkpoint {checkpoints}/step_{SPLIT_STEPS} was written by 2 ranks; this run has 1: resume with nodes x "
-        f"gpus = 2 ranks, or start the run over (delete {checkpoints}, or use a new run_dir)"
+        f"gpus_per_node = 2 ranks, or start the run over (delete {checkpoints}, or use a new run_dir)"
     )
     assert message in job.output
     assert "differs in" not in job.output
