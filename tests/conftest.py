@@ -108,8 +108,9 @@ def isolated_airflow_env(stack, tmp_path_factory) -> dict[str, str]:
     env = dict(os.environ, AIRFLOW_HOME=str(home),
                AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home / 'airflow.db'}",
                AIRFLOW__CORE__DAGS_FOLDER=str(home / "dags"), AIRFLOW__CORE__LOAD_EXAMPLES="False",
-               # Its Slurm jobs are its own: the stack's orphan reconciler leaves them alone, and the other way round.
-               HYBRIDFLOW_DEPLOYMENT=f"pytest-{home.name}")
+               # Its Slurm jobs are its own: the stack's orphan reconciler leaves them alone, and the other way round
+               # (its session's folder in the name: test lanes running side by side are told apart too).
+               HYBRIDFLOW_DEPLOYMENT=f"pytest-{home.parent.name}-{home.name}")
     subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=env, check=True,
                    capture_output=True)
     return env
