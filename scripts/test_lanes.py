@@ -67,8 +67,9 @@ def test_files() -> list[str]:
     return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").rglob("test_*.py"))
 
 
-def _pytest(files: list[str], args: list[str], lane: str, log_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "pytest", *files, *lane_args(args, lane), f"--basetemp={log_dir / lane}"]
+def _pytest(files: list[str], args: list[str], lane: str) -> list[str]:
+    # pytest's own numbered temp folders (one per session, locked while in use) keep the lanes' files apart
+    return [sys.executable, "-m", "pytest", *files, *lane_args(args, lane)]
 
 
 def main(args: list[str]) -> int:
@@ -81,7 +82,7 @@ def main(args: list[str]) -> int:
     running = {}
     for lane in ("serving", "cluster"):
         log = open(log_dir / f"{lane}.log", "wb")  # noqa: SIM115 - closed when the lane ends
-        running[lane] = (subprocess.Popen(_pytest(lanes[lane], args, lane, log_dir), cwd=REPO, stdout=log,
+        running[lane] = (subprocess.Popen(_pytest(lanes[lane], args, lane), cwd=REPO, stdout=log,
                                           stderr=subprocess.STDOUT), log)
         print(f"[lanes] {lane}: {len(lanes[lane])} files, log {log_dir / lane}.log", flush=True)
     while running:
@@ -97,7 +98,7 @@ def main(args: list[str]) -> int:
             sys.stdout.write((log_dir / f"{lane}.log").read_text(errors="replace"))
             sys.stdout.flush()
     print(f"\n[lanes] ===== alone: {len(lanes['alone'])} files, nothing beside them", flush=True)
-    codes["alone"] = subprocess.run(_pytest(lanes["alone"], args, "alone", log_dir), cwd=REPO).returncode
+    codes["alone"] = subprocess.run(_pytest(lanes["alone"], args, "alone"), cwd=REPO).returncode
     print(f"\n[lanes] exit codes {codes}, {time.monotonic() - started:.0f} s in all", flush=True)
     failed = [code for code in codes.values() if code != 0]
     return failed[0] if failed else 0
