@@ -33,6 +33,7 @@ SERVING = (
     "tests/integration/test_model_registry.py", "tests/integration/test_params_api.py",
     "tests/integration/test_release_approval.py", "tests/integration/test_run_deadline.py",
     "tests/integration/test_triton_deploy.py", "tests/integration/test_triton_release.py",
+    "tests/integration/test_training_job.py",  # the training job on this machine's cores: no Slurm, no Spark
 )
 LANES = ("serving", "cluster", "alone")
 

@@ -21,6 +21,7 @@ def test_every_test_file_of_the_suite_runs_in_exactly_one_lane():
     ("tests/integration/test_stack_smoke.py", "alone"),  # kills Airflow's triggerer
     ("tests/integration/test_mlflow_server.py", "alone"),  # takes MLflow down and up
     ("tests/integration/test_triton_release.py", "serving"),
+    ("tests/integration/test_training_job.py", "serving"),
     ("tests/unit/test_config.py", "serving"),
     ("tests/e2e/test_nightly_pipeline.py", "cluster"),
     ("tests/integration/test_slurm_gates.py", "cluster"),  # takes every GPU of the partition
