@@ -3,10 +3,10 @@
 Most of the suite's time is waiting (a Slurm job, Airflow's scheduler, a person's answer held for 20 s), so two
 pytest processes on 2 cores finish sooner than one. Three groups:
 
-- ``serving``: Triton, the MLflow registry and Airflow's REST API (unit and DAG tests too); no Slurm job, no Spark
-  app, nothing taken down.
-- ``cluster``: every other integration, e2e and browser test (Slurm, Spark, the nightly end to end); runs beside
-  ``serving``.
+- ``serving``: Triton and the MLflow registry through in-process DAG runs, the training job on this machine, unit
+  and DAG tests; no Slurm job, no Spark app, no run of the stack's Airflow, nothing taken down.
+- ``cluster``: every other integration, e2e and browser test (Slurm, Spark, the nightly end to end, and every test
+  that runs DAGs on the stack's Airflow: one scheduler, 4 executor slots); runs beside ``serving``.
 - ``alone``: what takes services down, kills Airflow's components or fills the GPU pool (the reliability tests, the
   stack's own restart and MLflow's down/up); runs after both, with nothing beside it.
 
@@ -30,8 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 ALONE = ("tests/reliability/", "tests/integration/test_stack_smoke.py", "tests/integration/test_mlflow_server.py")
 SERVING = (
     "tests/unit/", "tests/dags/",
-    "tests/integration/test_model_registry.py", "tests/integration/test_params_api.py",
-    "tests/integration/test_release_approval.py", "tests/integration/test_run_deadline.py",
+    "tests/integration/test_model_registry.py",
     "tests/integration/test_triton_deploy.py", "tests/integration/test_triton_release.py",
     "tests/integration/test_training_job.py",  # the training job on this machine's cores: no Slurm, no Spark
 )

@@ -27,6 +27,8 @@ def test_every_test_file_of_the_suite_runs_in_exactly_one_lane():
     ("tests/integration/test_slurm_gates.py", "cluster"),  # takes every GPU of the partition
     ("tests/integration/test_a_new_stage.py", "cluster"),  # unlisted: beside serving, never beside alone
     ("tests/browser/test_trigger_form.py", "cluster"),
+    ("tests/integration/test_release_approval.py", "cluster"),  # runs on the stack's Airflow, as the e2e tests
+    ("tests/integration/test_params_api.py", "cluster"),
 ])
 def test_lane_of_a_file(test_file, lane):
     assert test_lanes.lane_of(test_file) == lane
