@@ -20,13 +20,13 @@ becomes ``F`` with the lane's name before its suffix. Exits non-zero when any la
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from stack.common import REPO, STATE  # scripts/ is on sys.path: this script's own folder
+
 ALONE = ("tests/reliability/", "tests/integration/test_stack_smoke.py", "tests/integration/test_mlflow_server.py")
 SERVING = (
     "tests/unit/", "tests/dags/",
@@ -74,8 +74,7 @@ def _pytest(files: list[str], args: list[str], lane: str) -> list[str]:
 
 def main(args: list[str]) -> int:
     lanes = plan(test_files())
-    state = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state"))
-    log_dir = state / "test-lanes"
+    log_dir = STATE / "test-lanes"
     log_dir.mkdir(parents=True, exist_ok=True)
     codes: dict[str, int] = {}
     started = time.monotonic()
