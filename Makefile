@@ -14,7 +14,7 @@ STACK := $(PYTHON) scripts/localstack.py
 PYTEST_ARGS ?=
 BENCH ?=
 
-.PHONY: help system-deps venv venv-interpreter up down status demo test test-lanes test-unit test-integration bench lint clean
+.PHONY: help system-deps venv venv-interpreter up down status demo test test-serial test-unit test-integration bench lint clean
 
 help:
 	@echo "make demo    run the whole nightly pipeline on the local stack (sets everything up)"
@@ -74,12 +74,13 @@ status:
 demo: up
 	$(PY) scripts/demo.py
 
+# The whole suite in lanes that run side by side (scripts/test_lanes.py says which run beside which).
 test: up
-	$(PY) -m pytest $(PYTEST_ARGS)
-
-# The same tests in lanes that run side by side (scripts/test_lanes.py says which); not yet CI's command.
-test-lanes: up
 	$(PY) scripts/test_lanes.py $(PYTEST_ARGS)
+
+# The same tests in one pytest process, one after another.
+test-serial: up
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv
 	$(PY) -m pytest tests/unit tests/dags $(PYTEST_ARGS)

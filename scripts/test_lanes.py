@@ -1,16 +1,19 @@
-"""The suite in lanes: test files that cannot disturb each other run at the same time, on the one local stack.
+"""The suite in lanes: tests that cannot disturb each other run at the same time, on the one local stack.
 
-Most of the suite's time is waiting (a Slurm job, Airflow's scheduler, a person's answer held for 20 s), so two
-pytest processes on 2 cores finish sooner than one. Three groups:
+Most of the suite's time is waiting (a Slurm job, Airflow's scheduler, a person's answer held for 20 s): one pytest
+process keeps about half of the 2 cores busy, so lanes side by side finish sooner than one. Two phases, one after
+the other; the lanes of a phase run side by side:
 
-- ``serving``: Triton and the MLflow registry through in-process DAG runs, the training job on this machine, unit
-  and DAG tests; no Slurm job, no Spark app, no run of the stack's Airflow, nothing taken down.
-- ``cluster``: every other integration, e2e and browser test (Slurm, Spark, the nightly end to end, and every test
-  that runs DAGs on the stack's Airflow: one scheduler, 4 executor slots); runs beside ``serving``.
-- ``alone``: what takes services down, kills Airflow's components or fills the GPU pool (the reliability tests, the
-  stack's own restart and MLflow's down/up); runs after both, with nothing beside it.
+- ``shared``: tests that use the shared services (Slurm over sshd, Airflow's components, PostgreSQL, MLflow, S3,
+  Triton, Spark) and take none of them down. Triton's own faults run in the one lane with every Triton user.
+- ``faults``: what takes Slurm (a node, slurmctld, sshd, every GPU), Airflow's components, PostgreSQL or MLflow down,
+  one after another in ``control-plane``, with the nightly end to end (it kills the control plane itself); beside
+  it only ``local``: tests that need none of those (a private Airflow on SQLite, Spark, the training job on this
+  machine).
 
-A new test file lands in ``cluster`` unless listed, or in ``alone`` when under tests/reliability.
+A lane is a list of pytest node id prefixes: a folder, a file, or one test of a file (``file::test``: it runs in
+that lane and is deselected from its file's). A test file no lane names runs in ``control-plane``: beside nothing
+that a new test could disturb, or be disturbed by, but the local lane.
 
     python scripts/test_lanes.py [pytest arguments...]
 
@@ -20,6 +23,7 @@ becomes ``F`` with the lane's name before its suffix. Exits non-zero when any la
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -27,28 +31,84 @@ from pathlib import Path
 
 from stack.common import REPO, STATE  # scripts/ is on sys.path: this script's own folder
 
-ALONE = ("tests/reliability/", "tests/integration/test_stack_smoke.py", "tests/integration/test_mlflow_server.py")
-SERVING = (
-    "tests/unit/", "tests/dags/",
-    "tests/integration/test_model_registry.py",
-    "tests/integration/test_triton_deploy.py", "tests/integration/test_triton_release.py",
-    "tests/integration/test_training_job.py",  # the training job on this machine's cores: no Slurm, no Spark
-)
-LANES = ("serving", "cluster", "alone")
+AIRFLOW_SLURM_FAULTS = "tests/reliability/test_airflow_slurm_faults.py"
+PHASES: dict[str, dict[str, tuple[str, ...]]] = {
+    "shared": {
+        "triton": (
+            "tests/integration/test_triton_deploy.py", "tests/integration/test_triton_release.py",
+            "tests/integration/test_model_registry.py", "tests/integration/test_release_approval.py",
+            "tests/integration/test_workload_router.py",  # its realtime route deploys to Triton
+            "tests/integration/test_stack_smoke.py",
+            "tests/reliability/test_triton_hostile_requests.py",  # kills tritonserver under load
+            "tests/reliability/test_triton_faults.py",  # takes Triton down
+        ),
+        "training": (
+            "tests/unit/", "tests/dags/",
+            "tests/integration/test_training_tracking.py", "tests/integration/test_training_on_slurm.py",
+            "tests/integration/test_distributed_training_on_slurm.py",
+            "tests/integration/test_oncall_training_job.py", "tests/integration/test_retrain_generation.py",
+            "tests/integration/test_router_gpu_scoring.py",
+        ),
+        "airflow": (
+            "tests/browser/", "tests/e2e/test_failure_alerts.py",
+            "tests/integration/test_slurm_operator.py", "tests/integration/test_slurm_reconciler.py",
+            "tests/integration/test_run_deadline.py", "tests/integration/test_ui_pages.py",
+            "tests/integration/test_params_api.py", "tests/integration/test_ssh_host_keys.py",
+            "tests/reliability/test_security.py",
+            AIRFLOW_SLURM_FAULTS,  # its own task's faults; the shared services' go in control-plane
+        ),
+    },
+    "faults": {
+        "control-plane": (
+            "tests/e2e/test_nightly_pipeline.py",  # SIGKILLs Airflow's components, slurmctld and PostgreSQL
+            "tests/integration/test_training_heals_itself.py",  # a node dies
+            "tests/integration/test_utilization_ledger.py",  # drains a node
+            "tests/integration/test_slurm_gates.py",  # takes every GPU of the partition
+            f"{AIRFLOW_SLURM_FAULTS}::test_triggerer_restart_while_deferred_resumes_and_the_task_succeeds_on_the_same_job",
+            f"{AIRFLOW_SLURM_FAULTS}::test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succeeds",
+            f"{AIRFLOW_SLURM_FAULTS}::test_sshd_down_past_the_reconnect_budget_fails_clearly_and_a_rerun_reattaches",
+            "tests/reliability/test_load.py",  # fills Airflow's executor slots and the GPU pool
+            "tests/integration/test_mlflow_server.py",  # takes MLflow down and up
+        ),
+        "local": (
+            "tests/integration/test_backfill_never_starts_a_night.py", "tests/integration/test_spark_stages.py",
+            "tests/reliability/test_data_faults.py", "tests/integration/test_training_job.py",
+        ),
+    },
+}
+LANES = tuple(lane for lanes in PHASES.values() for lane in lanes)
+UNLISTED_LANE = "control-plane"
 
 
-def lane_of(test_file: str) -> str:
-    """The lane of one test file, a path relative to the repository."""
-    if test_file.startswith(ALONE):
-        return "alone"
-    return "serving" if test_file.startswith(SERVING) else "cluster"
+def covers(prefix: str, test_id: str) -> bool:
+    """Whether a lane's entry (a folder ending in ``/``, a file or ``file::test``) holds a file or test."""
+    return test_id == prefix or prefix.endswith("/") and test_id.startswith(prefix) or test_id.startswith(prefix + "::")
+
+
+def lane_of(test_id: str) -> str:
+    """The lane of one test file or test (a node id relative to the repository): the longest entry that holds it."""
+    matches = [(len(prefix), lane) for lanes in PHASES.values() for lane, prefixes in lanes.items()
+               for prefix in prefixes if covers(prefix, test_id)]
+    return max(matches)[1] if matches else UNLISTED_LANE
+
+
+def single_tests() -> list[str]:
+    """The ``file::test`` entries: tests placed apart from the rest of their file."""
+    return [prefix for lanes in PHASES.values() for prefixes in lanes.values() for prefix in prefixes if "::" in prefix]
 
 
 def plan(test_files: list[str]) -> dict[str, list[str]]:
-    """Every test file in exactly one lane, in the order given."""
+    """Each lane's pytest selection: its files, the single tests placed in it, and ``--deselect`` for the tests of
+    its files placed elsewhere. Every test of the given files lands in exactly one lane."""
     lanes: dict[str, list[str]] = {lane: [] for lane in LANES}
     for test_file in test_files:
         lanes[lane_of(test_file)].append(test_file)
+    for test_id in single_tests():
+        test_file = test_id.split("::")[0]
+        home, lane = lane_of(test_file), lane_of(test_id)
+        if test_file in test_files and home != lane:
+            lanes[lane].append(test_id)
+            lanes[home].append(f"--deselect={test_id}")
     return lanes
 
 
@@ -67,37 +127,54 @@ def test_files() -> list[str]:
     return sorted(str(path.relative_to(REPO)) for path in (REPO / "tests").rglob("test_*.py"))
 
 
-def _pytest(files: list[str], args: list[str], lane: str) -> list[str]:
+def _pytest(selection: list[str], args: list[str], lane: str) -> list[str]:
     # pytest's own numbered temp folders (one per session, locked while in use) keep the lanes' files apart
-    return [sys.executable, "-m", "pytest", *files, *lane_args(args, lane)]
+    return [sys.executable, "-m", "pytest", *selection, *lane_args(args, lane)]
 
 
-def main(args: list[str]) -> int:
-    lanes = plan(test_files())
-    log_dir = STATE / "test-lanes"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    codes: dict[str, int] = {}
-    started = time.monotonic()
-    running = {}
-    for lane in ("serving", "cluster"):
+def run_phase(phase: str, lanes: dict[str, list[str]], args: list[str], log_dir: Path, started: float) -> dict:
+    """Brings the stack up (what a fault left down), then runs the phase's lanes side by side; prints each lane's
+    output as it ends. Their exit codes, by lane."""
+    up = subprocess.run([sys.executable, str(REPO / "scripts" / "localstack.py"), "up"], cwd=REPO,
+                        capture_output=True, text=True)
+    if up.returncode != 0:
+        print(f"[lanes] {phase}: the stack did not come up:\n{up.stdout}\n{up.stderr}", flush=True)
+        return {phase: up.returncode}
+    # The lanes' sessions bring nothing up themselves (tests/conftest.py's stack fixture): one lane's up could
+    # restart a service another lane's test took down on purpose.
+    env = dict(os.environ, HYBRIDFLOW_STACK_UP_BY_LANES="1")
+    running, codes = {}, {}
+    for lane in PHASES[phase]:
+        if not lanes[lane]:
+            continue
         log = open(log_dir / f"{lane}.log", "wb")  # noqa: SIM115 - closed when the lane ends
-        running[lane] = (subprocess.Popen(_pytest(lanes[lane], args, lane), cwd=REPO, stdout=log,
+        running[lane] = (subprocess.Popen(_pytest(lanes[lane], args, lane), cwd=REPO, env=env, stdout=log,
                                           stderr=subprocess.STDOUT), log)
-        print(f"[lanes] {lane}: {len(lanes[lane])} files, log {log_dir / lane}.log", flush=True)
+        files = sum(not item.startswith("--") for item in lanes[lane])
+        print(f"[lanes] {phase}/{lane}: {files} files or tests, log {log_dir / lane}.log", flush=True)
     while running:
-        time.sleep(5)
+        time.sleep(2)
         for lane, (process, log) in list(running.items()):
             if process.poll() is None:
                 continue
             log.close()
             codes[lane] = process.returncode
             del running[lane]
-            print(f"\n[lanes] ===== {lane}: exit {process.returncode} after {time.monotonic() - started:.0f} s",
+            print(f"\n[lanes] ===== {phase}/{lane}: exit {process.returncode} at {time.monotonic() - started:.0f} s",
                   flush=True)
             sys.stdout.write((log_dir / f"{lane}.log").read_text(errors="replace"))
             sys.stdout.flush()
-    print(f"\n[lanes] ===== alone: {len(lanes['alone'])} files, nothing beside them", flush=True)
-    codes["alone"] = subprocess.run(_pytest(lanes["alone"], args, "alone"), cwd=REPO).returncode
+    return codes
+
+
+def main(args: list[str]) -> int:
+    lanes = plan(test_files())
+    log_dir = STATE / "test-lanes"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    codes: dict[str, int] = {}
+    for phase in PHASES:  # every phase runs, whatever the one before it found: CI shows every failure at once
+        codes |= run_phase(phase, lanes, args, log_dir, started)
     print(f"\n[lanes] exit codes {codes}, {time.monotonic() - started:.0f} s in all", flush=True)
     failed = [code for code in codes.values() if code != 0]
     return failed[0] if failed else 0

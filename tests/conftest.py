@@ -40,10 +40,13 @@ def stack_environment() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def stack(request) -> dict[str, str]:
-    """Brings every service of the local stack up once per session (a no-op when `make up` already did)."""
-    up = subprocess.run([*LOCALSTACK, "up"], capture_output=True, text=True)
-    if up.returncode != 0:
-        pytest.fail(f"local stack did not come up:\n{up.stdout}\n{up.stderr}")
+    """Brings every service of the local stack up once per session (a no-op when `make up` already did). Not in
+    a lane of scripts/test_lanes.py (HYBRIDFLOW_STACK_UP_BY_LANES): it brought the stack up before the lanes
+    started, and a lane's up could restart a service another lane's test took down on purpose."""
+    if not os.environ.get("HYBRIDFLOW_STACK_UP_BY_LANES"):
+        up = subprocess.run([*LOCALSTACK, "up"], capture_output=True, text=True)
+        if up.returncode != 0:
+            pytest.fail(f"local stack did not come up:\n{up.stdout}\n{up.stderr}")
     env = stack_environment()
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)

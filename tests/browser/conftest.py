@@ -51,8 +51,8 @@ class Rest:
     def recent_runs(self, dag_id: str, limit: int = 50) -> list[dict]:
         return self.api.get(f"/api/v2/dags/{dag_id}/dagRuns?limit={limit}&order_by=-run_after")["dag_runs"]
 
-    def delete_run(self, dag_id: str, run_id: str) -> None:
-        self.call("DELETE", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}")
+    def remove_run(self, dag_id: str, run_id: str) -> None:
+        rest.remove_run(self.api, dag_id, run_id)
 
 
 def wait_for_ui(base_url: str, timeout_s: float = 180) -> None:

@@ -54,14 +54,10 @@ def dag_unpaused(airflow):
 
 @pytest.fixture
 def run_id(airflow):
-    """A run id of this test's own; a run carrying it is removed afterwards (stopped first if unfinished)."""
+    """A run id of this test's own; a run carrying it is removed afterwards (rest.remove_run)."""
     rid = f"browser_test__{uuid.uuid4().hex[:12]}"
     yield rid
-    run = airflow.run(DAG_ID, rid)
-    if run is not None:
-        if run["state"] not in TERMINAL:
-            airflow.call("PATCH", f"/api/v2/dags/{DAG_ID}/dagRuns/{rid}", {"state": "failed"})
-        airflow.delete_run(DAG_ID, rid)
+    airflow.remove_run(DAG_ID, rid)
 
 
 def open_trigger_form(driver, base: str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from airflow_api import AirflowApi, local_api
@@ -43,3 +44,31 @@ def local_api_when_up(timeout_s: float = 180) -> AirflowApi:
             if time.monotonic() > deadline:
                 raise
             time.sleep(2)
+
+
+UNFINISHED = {"scheduled", "queued", "running", "deferred", "up_for_retry", "up_for_reschedule", "restarting",
+              "awaiting_input"}
+
+
+def remove_run(api: AirflowApi, dag_id: str, run_id: str, timeout_s: float = 90, grace_s: float = 5) -> None:
+    """Removes a test's run from the stack's Airflow: marked failed, then deleted once none of its tasks is
+    unfinished and, where a task had started, the executor has had ``grace_s`` to report its process's end.
+    Deleted at once, a run whose last task just ended can vanish under the scheduler while it handles that task's
+    executor event (sqlalchemy ObjectDeletedError), which kills the scheduler for every test after it."""
+    path = f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+    status, run = call(api, "GET", path)
+    if status == 404:
+        return
+    if run.get("state") not in ("success", "failed"):
+        call(api, "PATCH", path, {"state": "failed"})
+    deadline, started = time.monotonic() + timeout_s, False
+    while time.monotonic() < deadline:
+        status, body = call(api, "GET", f"{path}/taskInstances")
+        instances = body.get("task_instances", []) if status == 200 else []
+        started = any(ti.get("start_date") for ti in instances)
+        if not UNFINISHED & {ti.get("state") for ti in instances}:
+            break
+        time.sleep(1)
+    if started:  # a run none of whose tasks ever started leaves the executor nothing to report
+        time.sleep(grace_s)
+    call(api, "DELETE", path)

@@ -14,7 +14,7 @@ import time
 import uuid
 
 import pytest
-from helpers.rest import call, local_api_when_up
+from helpers.rest import call, local_api_when_up, remove_run
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
 DAGS = ("nightly_training", "workload_router", "oncall_rollback_model", "oncall_training_job", "release_model",
@@ -194,11 +194,6 @@ def trigger(api, dag_id: str, conf: str) -> tuple[str, int, dict]:
     return run_id, status, body
 
 
-def remove(api, dag_id: str, run_id: str) -> None:
-    call(api, "PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", {"state": "failed"})
-    call(api, "DELETE", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")
-
-
 @pytest.mark.parametrize(("dag_id", "conf", "param", "field", "why"), REFUSED,
                          ids=[f"{d}-{c[:40]}" for d, c, *_ in REFUSED])
 def test_trigger_with_an_invalid_param_is_refused(api, served, dag_id, conf, param, field, why):
@@ -211,7 +206,7 @@ def test_trigger_with_an_invalid_param_is_refused(api, served, dag_id, conf, par
         assert call(api, "GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")[0] == 404, "the refused run exists"
     finally:
         if status < 300:
-            remove(api, dag_id, run_id)
+            remove_run(api, dag_id, run_id)
 
 
 @pytest.mark.parametrize(("dag_id", "conf"), ACCEPTED_RUNS, ids=[f"{d}-{c[:40]}" for d, c in ACCEPTED_RUNS])
@@ -222,7 +217,7 @@ def test_trigger_with_valid_params_creates_a_dry_run(api, served, dag_id, conf):
         assert body["conf"]["dry_run"] is True and body["conf"] == {**body["conf"], **json.loads(conf)}
     finally:
         if status < 300:
-            remove(api, dag_id, run_id)
+            remove_run(api, dag_id, run_id)
 
 
 def test_served_schemas_accept_defaults_and_good_values(served):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy
 from airflow_api import trigger
-from helpers.rest import call, local_api_when_up
+from helpers.rest import call, local_api_when_up, remove_run
 
 REPO = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("HYBRIDFLOW_STATE_DIR", REPO / ".state"))
@@ -139,8 +139,7 @@ def test_hostile_params_are_refused_or_inert(api, stack):
         for dag_id in unpaused:
             call(api, "PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": True})
         for dag_id, run_id in created:
-            call(api, "PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}", {"state": "failed"})
-            call(api, "DELETE", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")
+            remove_run(api, dag_id, run_id)
 
 
 # --- 12a: loopback-only listeners -------------------------------------------------------------------------

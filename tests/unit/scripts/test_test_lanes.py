@@ -1,43 +1,93 @@
-"""scripts/test_lanes.py's plan: every test file in exactly one lane, the disruptive ones alone."""
+"""scripts/test_lanes.py's plan: every test in exactly one lane, what takes a shared service down beside nothing
+that uses it."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import test_lanes  # pytest puts scripts/ on sys.path (pythonpath in pyproject.toml)
+
+REPO = Path(__file__).resolve().parents[3]
+ASF = "tests/reliability/test_airflow_slurm_faults.py"
 
 
 def test_every_test_file_of_the_suite_runs_in_exactly_one_lane():
     files = test_lanes.test_files()
     lanes = test_lanes.plan(files)
-    planned = [f for lane in test_lanes.LANES for f in lanes[lane]]
+    planned = [item for lane in test_lanes.LANES for item in lanes[lane]
+               if not item.startswith("--") and "::" not in item]
     assert sorted(planned) == sorted(files) and len(set(planned)) == len(files)
-    assert "tests/unit/scripts/test_test_lanes.py" in lanes["serving"]
+    assert "tests/unit/scripts/test_test_lanes.py" in lanes["training"]
     assert len(files) > 100 and all(lanes[lane] for lane in test_lanes.LANES)
 
 
-@pytest.mark.parametrize(("test_file", "lane"), [
-    ("tests/reliability/test_triton_faults.py", "alone"),  # takes Triton down
-    ("tests/reliability/test_a_new_fault.py", "alone"),  # any new reliability test too
-    ("tests/integration/test_stack_smoke.py", "alone"),  # kills Airflow's triggerer
-    ("tests/integration/test_mlflow_server.py", "alone"),  # takes MLflow down and up
-    ("tests/integration/test_triton_release.py", "serving"),
-    ("tests/integration/test_training_job.py", "serving"),
-    ("tests/unit/test_config.py", "serving"),
-    ("tests/e2e/test_nightly_pipeline.py", "cluster"),
-    ("tests/integration/test_slurm_gates.py", "cluster"),  # takes every GPU of the partition
-    ("tests/integration/test_a_new_stage.py", "cluster"),  # unlisted: beside serving, never beside alone
-    ("tests/browser/test_trigger_form.py", "cluster"),
-    ("tests/integration/test_release_approval.py", "cluster"),  # runs on the stack's Airflow, as the e2e tests
-    ("tests/integration/test_params_api.py", "cluster"),
+def test_a_test_placed_apart_from_its_file_runs_in_its_lane_and_is_deselected_from_its_files():
+    lanes = test_lanes.plan(test_lanes.test_files())
+    for test_id in test_lanes.single_tests():
+        test_file, name = test_id.split("::")
+        assert re.search(rf"^def {name}\(", (REPO / test_file).read_text(), re.M), f"{test_id} names no test"
+        assert test_id in lanes[test_lanes.lane_of(test_id)]
+        assert f"--deselect={test_id}" in lanes[test_lanes.lane_of(test_file)]
+        assert sum(test_id in selection for selection in lanes.values()) == 1
+
+
+def test_a_single_test_of_a_file_not_in_the_run_is_not_added():
+    lanes = test_lanes.plan(["tests/unit/test_config.py"])
+    assert lanes["training"] == ["tests/unit/test_config.py"]
+    assert all(lanes[lane] == [] for lane in test_lanes.LANES if lane != "training")
+
+
+@pytest.mark.parametrize(("test_id", "lane"), [
+    ("tests/reliability/test_triton_faults.py", "triton"),  # takes Triton down: beside no other Triton user
+    ("tests/integration/test_triton_release.py", "triton"),
+    ("tests/integration/test_workload_router.py", "triton"),
+    ("tests/integration/test_release_approval.py", "triton"),
+    ("tests/unit/test_config.py", "training"),
+    ("tests/unit/a/new/test_folder.py", "training"),
+    ("tests/integration/test_training_on_slurm.py", "training"),
+    ("tests/browser/test_trigger_form.py", "airflow"),
+    ("tests/integration/test_params_api.py", "airflow"),
+    (ASF, "airflow"),  # the faults of its own task process
+    (f"{ASF}::test_task_process_killed_again_and_again_always_reattaches_to_the_one_job", "airflow"),
+    (f"{ASF}::test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succeeds", "control-plane"),
+    (f"{ASF}::test_triggerer_restart_while_deferred_resumes_and_the_task_succeeds_on_the_same_job", "control-plane"),
+    ("tests/e2e/test_nightly_pipeline.py", "control-plane"),  # kills slurmctld, Airflow's components, PostgreSQL
+    ("tests/integration/test_slurm_gates.py", "control-plane"),  # takes every GPU of the partition
+    ("tests/integration/test_utilization_ledger.py", "control-plane"),  # drains a node
+    ("tests/integration/test_mlflow_server.py", "control-plane"),  # takes MLflow down and up
+    ("tests/reliability/test_a_new_fault.py", "control-plane"),  # unlisted: beside only the local lane
+    ("tests/integration/test_a_new_stage.py", "control-plane"),
+    ("tests/integration/test_training_job.py", "local"),
+    ("tests/integration/test_backfill_never_starts_a_night.py", "local"),  # an Airflow of its own on SQLite
 ])
-def test_lane_of_a_file(test_file, lane):
-    assert test_lanes.lane_of(test_file) == lane
+def test_lane_of(test_id, lane):
+    assert test_lanes.lane_of(test_id) == lane
+
+
+@pytest.mark.parametrize(("prefix", "test_id", "covered"), [
+    ("tests/unit/", "tests/unit/test_x.py", True),
+    ("tests/unit/", "tests/unitx/test_x.py", False),
+    ("tests/a/test_x.py", "tests/a/test_x.py", True),
+    ("tests/a/test_x.py", "tests/a/test_x.py::test_one", True),
+    ("tests/a/test_x.py", "tests/a/test_x.pyc", False),
+    ("tests/a/test_x.py::test_one", "tests/a/test_x.py", False),
+    ("tests/a/test_x.py::test_one", "tests/a/test_x.py::test_one", True),
+])
+def test_covers(prefix, test_id, covered):
+    assert test_lanes.covers(prefix, test_id) is covered
+
+
+def test_every_lane_belongs_to_one_phase():
+    lanes = [lane for phase in test_lanes.PHASES.values() for lane in phase]
+    assert len(lanes) == len(set(lanes)) == len(test_lanes.LANES) and test_lanes.UNLISTED_LANE in lanes
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--junitxml=/tmp/ci.xml", "-q"], ["--junitxml=/tmp/ci.serving.xml", "-q"]),
+    (["--junitxml=/tmp/ci.xml", "-q"], ["--junitxml=/tmp/ci.triton.xml", "-q"]),
     (["--durations=40"], ["--durations=40"]),
     ([], []),
 ])
 def test_each_lane_writes_its_own_report(args, expected):
-    assert test_lanes.lane_args(args, "serving") == expected
+    assert test_lanes.lane_args(args, "triton") == expected
