@@ -1,19 +1,20 @@
 """The suite in lanes: tests that cannot disturb each other run at the same time, on the one local stack.
 
 Most of the suite's time is waiting (a Slurm job, Airflow's scheduler, a person's answer held for 20 s): one pytest
-process keeps about half of the 2 cores busy, so lanes side by side finish sooner than one. Two phases, one after
-the other; the lanes of a phase run side by side:
+process keeps about half of the 2 cores busy, so lanes side by side finish sooner than one. Three phases, one after
+the other; the lanes of a phase run side by side, and no lane takes down what a lane beside it uses:
 
-- ``shared``: tests that use the shared services (Slurm over sshd, Airflow's components, PostgreSQL, MLflow, S3,
-  Triton, Spark) and take none of them down. Triton's own faults run in the one lane with every Triton user.
-- ``faults``: what takes Slurm (a node, slurmctld, sshd, every GPU), Airflow's components, PostgreSQL or MLflow down,
-  one after another in ``control-plane``, with the nightly end to end (it kills the control plane itself); beside
-  it only ``local``: tests that need none of those (a private Airflow on SQLite, Spark, the training job on this
-  machine).
+- ``users``: tests that use the shared services (Slurm over sshd, Airflow's components, PostgreSQL, MLflow, S3,
+  Triton, Spark) and take none of them down.
+- ``crashes``: what crashes Slurm (a node, slurmctld, every GPU taken) or Airflow's control plane, one after another
+  (the nightly end to end kills the control plane itself), beside tests that use none of those (a private Airflow
+  on SQLite, Spark).
+- ``outages``: sshd, Airflow's triggerer and MLflow taken down, Airflow's slots filled, beside Triton taken down (no
+  test beside it uses Triton) and the training job on this machine's cores.
 
 A lane is a list of pytest node id prefixes: a folder, a file, or one test of a file (``file::test``: it runs in
-that lane and is deselected from its file's). A test file no lane names runs in ``control-plane``: beside nothing
-that a new test could disturb, or be disturbed by, but the local lane.
+that lane and is deselected from its file's). A test file no lane names runs in ``control-plane``: beside it only
+tests that use no service a new test could take down, and none it could need.
 
     python scripts/test_lanes.py [pytest arguments...]
 
@@ -32,47 +33,56 @@ from pathlib import Path
 from stack.common import REPO, STATE  # scripts/ is on sys.path: this script's own folder
 
 AIRFLOW_SLURM_FAULTS = "tests/reliability/test_airflow_slurm_faults.py"
+HEALS = "tests/integration/test_training_heals_itself.py"
 PHASES: dict[str, dict[str, tuple[str, ...]]] = {
-    "shared": {
+    "users": {
         "triton": (
             "tests/integration/test_triton_deploy.py", "tests/integration/test_triton_release.py",
             "tests/integration/test_model_registry.py", "tests/integration/test_release_approval.py",
             "tests/integration/test_workload_router.py",  # its realtime route deploys to Triton
             "tests/integration/test_stack_smoke.py",
-            "tests/reliability/test_triton_hostile_requests.py",  # kills tritonserver under load
-            "tests/reliability/test_triton_faults.py",  # takes Triton down
         ),
         "training": (
-            "tests/unit/", "tests/dags/",
             "tests/integration/test_training_tracking.py", "tests/integration/test_training_on_slurm.py",
             "tests/integration/test_distributed_training_on_slurm.py",
             "tests/integration/test_oncall_training_job.py", "tests/integration/test_retrain_generation.py",
             "tests/integration/test_router_gpu_scoring.py",
+            f"{HEALS}::test_a_data_error_fails_at_once_without_a_requeue_or_a_retry",
         ),
         "airflow": (
+            "tests/unit/", "tests/dags/",
             "tests/browser/", "tests/e2e/test_failure_alerts.py",
             "tests/integration/test_slurm_operator.py", "tests/integration/test_slurm_reconciler.py",
             "tests/integration/test_run_deadline.py", "tests/integration/test_ui_pages.py",
             "tests/integration/test_params_api.py", "tests/integration/test_ssh_host_keys.py",
             "tests/reliability/test_security.py",
-            AIRFLOW_SLURM_FAULTS,  # its own task's faults; the shared services' go in control-plane
+            AIRFLOW_SLURM_FAULTS,  # its own task's faults; the shared services' are outages
         ),
     },
-    "faults": {
+    "crashes": {
         "control-plane": (
             "tests/e2e/test_nightly_pipeline.py",  # SIGKILLs Airflow's components, slurmctld and PostgreSQL
-            "tests/integration/test_training_heals_itself.py",  # a node dies
+            HEALS,  # a node fails its self-check, a node dies, a rank stalls
             "tests/integration/test_utilization_ledger.py",  # drains a node
             "tests/integration/test_slurm_gates.py",  # takes every GPU of the partition
+        ),
+        "local": (
+            "tests/integration/test_backfill_never_starts_a_night.py",  # an Airflow of its own, on SQLite
+            "tests/integration/test_spark_stages.py", "tests/reliability/test_data_faults.py",
+        ),
+    },
+    "outages": {
+        "ssh-airflow-mlflow": (
             f"{AIRFLOW_SLURM_FAULTS}::test_triggerer_restart_while_deferred_resumes_and_the_task_succeeds_on_the_same_job",
             f"{AIRFLOW_SLURM_FAULTS}::test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succeeds",
             f"{AIRFLOW_SLURM_FAULTS}::test_sshd_down_past_the_reconnect_budget_fails_clearly_and_a_rerun_reattaches",
             "tests/reliability/test_load.py",  # fills Airflow's executor slots and the GPU pool
             "tests/integration/test_mlflow_server.py",  # takes MLflow down and up
         ),
-        "local": (
-            "tests/integration/test_backfill_never_starts_a_night.py", "tests/integration/test_spark_stages.py",
-            "tests/reliability/test_data_faults.py", "tests/integration/test_training_job.py",
+        "triton-outages": (
+            "tests/reliability/test_triton_faults.py",  # takes Triton down
+            "tests/reliability/test_triton_hostile_requests.py",  # kills tritonserver under load
+            "tests/integration/test_training_job.py",  # on this machine's cores: no service at all
         ),
     },
 }

@@ -75,8 +75,10 @@ class TrainingReports:
             self.step_log.restart_rate()  # the evaluation and the checkpoint are not training time
 
     def allreduce_share(self, step: int, step_s: float, comm_s: float | None) -> None:
-        """A measured step's share of all-reduce time (see ``allreduce``)."""
-        if self.step_log is not None and comm_s is not None and step_s > 0:
+        """A measured step's share of all-reduce time (see ``allreduce``). A timed all-reduce that outlasted the
+        whole step measured a stalled rank (descheduled on a busy host, after the barrier), not a share: it stays in
+        metrics.json's series, whose median-based share it does not sway, and is no step figure."""
+        if self.step_log is not None and comm_s is not None and 0 <= comm_s < step_s:
             self.step_log.record(step, {"allreduce_share": comm_s / step_s})
 
     def close(self) -> None:

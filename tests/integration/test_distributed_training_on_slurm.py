@@ -97,10 +97,13 @@ def test_two_nodes_train_what_one_rank_with_the_whole_batch_trains(training_area
         share = metrics["allreduce"]
         assert share["samples"] >= 1 and 0 < share["share"] < 1 and share["world_size"] == 2
         assert single["allreduce"]["share"] is None and "one rank" in single["allreduce"]["reason"]
-        # each measured step's share is a step figure too (rank 0's step_metrics.jsonl, what MLflow gets)
+        # each measured step's share is a step figure too (rank 0's step_metrics.jsonl, what MLflow gets), but a
+        # sample whose all-reduce outlasted its step (a rank descheduled after the barrier on a busy 2-core host):
+        # metrics.json keeps it, the step figures do not
         steps = [json.loads(line) for line in hook.read_text(f"{run_dir}/step_metrics.jsonl").splitlines()]
         shares = [row["allreduce_share"] for row in steps if "allreduce_share" in row]
-        assert len(shares) == share["samples"] and all(0 < value < 1 for value in shares)
+        expected = [comm / step for _, step, comm in share["series"] if comm < step]
+        assert expected and np.allclose(shares, expected, rtol=1e-3) and all(0 < value < 1 for value in shares)
     finally:
         hook.cancel(two_nodes)
         hook.cancel(one_rank)

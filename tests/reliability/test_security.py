@@ -200,16 +200,18 @@ def comm(pid: int | None) -> str:
         return "?"
 
 
-def exposed_listeners(before: set[tuple[str, int]]) -> tuple[list, list]:
+def exposed_listeners(before: set[tuple[str, int]], job_uid: int) -> tuple[list, list]:
     """(every listener of a process the stack started or of its children, the non-loopback ones among all
-    listeners that were not there before the stack's snapshot)."""
+    listeners that were not there before the stack's snapshot, but the Slurm jobs')."""
     owners = service_pids()
     found = listeners()
     ours = [(a, p, pid, owners[pid]) for a, p, pid in found if pid in owners]
     # A listener of no pid file's tree (a daemon that forked away, a task's child re-parented) still counts
     # unless it was already listening before this test looked: nothing new may take a non-loopback address.
+    # A Slurm job's ranks (the job user's processes, another test's job beside this one) listen for their peers
+    # on other nodes: that is the cluster's network, not a service of the stack.
     stray = [(a, p, pid, comm(pid)) for a, p, pid in found
-             if pid not in owners and not is_loopback(a) and (a, p) not in before]
+             if pid not in owners and not is_loopback(a) and (a, p) not in before and uid_of(pid) != job_uid]
     return ours, stray
 
 
@@ -221,6 +223,7 @@ def test_services_and_task_launched_spark_drivers_listen_on_loopback_only_except
     import pwd
 
     service_uid = pwd.getpwnam(os.environ.get("HYBRIDFLOW_SERVICE_USER", "hybridflow")).pw_uid
+    job_uid = pwd.getpwnam(os.environ.get("HYBRIDFLOW_JOB_USER", "mlops")).pw_uid
     identities: dict[int, tuple[str, str, int | None]] = {}
     owners = service_pids()
     before = {(a, p) for a, p, pid in listeners() if pid not in owners}
@@ -231,7 +234,7 @@ def test_services_and_task_launched_spark_drivers_listen_on_loopback_only_except
     deadline = time.monotonic() + 300
     state = None
     while time.monotonic() < deadline:
-        ours, new_stray = exposed_listeners(before)
+        ours, new_stray = exposed_listeners(before, job_uid)
         for a, p, pid, owner in ours:
             seen[(a, p, owner)] = comm(pid)
             if owner.startswith("airflow") and comm(pid) == "java":

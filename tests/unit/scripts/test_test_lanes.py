@@ -11,6 +11,7 @@ import test_lanes  # pytest puts scripts/ on sys.path (pythonpath in pyproject.t
 
 REPO = Path(__file__).resolve().parents[3]
 ASF = "tests/reliability/test_airflow_slurm_faults.py"
+HEALS = "tests/integration/test_training_heals_itself.py"
 
 
 def test_every_test_file_of_the_suite_runs_in_exactly_one_lane():
@@ -19,7 +20,7 @@ def test_every_test_file_of_the_suite_runs_in_exactly_one_lane():
     planned = [item for lane in test_lanes.LANES for item in lanes[lane]
                if not item.startswith("--") and "::" not in item]
     assert sorted(planned) == sorted(files) and len(set(planned)) == len(files)
-    assert "tests/unit/scripts/test_test_lanes.py" in lanes["training"]
+    assert "tests/unit/scripts/test_test_lanes.py" in lanes["airflow"]
     assert len(files) > 100 and all(lanes[lane] for lane in test_lanes.LANES)
 
 
@@ -35,32 +36,38 @@ def test_a_test_placed_apart_from_its_file_runs_in_its_lane_and_is_deselected_fr
 
 def test_a_single_test_of_a_file_not_in_the_run_is_not_added():
     lanes = test_lanes.plan(["tests/unit/test_config.py"])
-    assert lanes["training"] == ["tests/unit/test_config.py"]
-    assert all(lanes[lane] == [] for lane in test_lanes.LANES if lane != "training")
+    assert lanes["airflow"] == ["tests/unit/test_config.py"]
+    assert all(lanes[lane] == [] for lane in test_lanes.LANES if lane != "airflow")
 
 
 @pytest.mark.parametrize(("test_id", "lane"), [
-    ("tests/reliability/test_triton_faults.py", "triton"),  # takes Triton down: beside no other Triton user
     ("tests/integration/test_triton_release.py", "triton"),
     ("tests/integration/test_workload_router.py", "triton"),
     ("tests/integration/test_release_approval.py", "triton"),
-    ("tests/unit/test_config.py", "training"),
-    ("tests/unit/a/new/test_folder.py", "training"),
+    ("tests/reliability/test_triton_faults.py", "triton-outages"),  # takes Triton down: beside no Triton user
+    ("tests/reliability/test_triton_hostile_requests.py", "triton-outages"),  # kills tritonserver
+    ("tests/integration/test_training_job.py", "triton-outages"),  # no service at all
+    ("tests/unit/test_config.py", "airflow"),
+    ("tests/unit/a/new/test_folder.py", "airflow"),
     ("tests/integration/test_training_on_slurm.py", "training"),
+    (f"{HEALS}::test_a_data_error_fails_at_once_without_a_requeue_or_a_retry", "training"),
+    (HEALS, "control-plane"),  # a node dies, a node fails its self-check
     ("tests/browser/test_trigger_form.py", "airflow"),
     ("tests/integration/test_params_api.py", "airflow"),
     (ASF, "airflow"),  # the faults of its own task process
     (f"{ASF}::test_task_process_killed_again_and_again_always_reattaches_to_the_one_job", "airflow"),
-    (f"{ASF}::test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succeeds", "control-plane"),
-    (f"{ASF}::test_triggerer_restart_while_deferred_resumes_and_the_task_succeeds_on_the_same_job", "control-plane"),
+    (f"{ASF}::test_sshd_down_30s_while_deferred_the_trigger_reconnects_and_the_task_succeeds", "ssh-airflow-mlflow"),
+    (f"{ASF}::test_triggerer_restart_while_deferred_resumes_and_the_task_succeeds_on_the_same_job",
+     "ssh-airflow-mlflow"),
+    ("tests/reliability/test_load.py", "ssh-airflow-mlflow"),  # fills Airflow's slots and the GPU pool
+    ("tests/integration/test_mlflow_server.py", "ssh-airflow-mlflow"),  # takes MLflow down and up
     ("tests/e2e/test_nightly_pipeline.py", "control-plane"),  # kills slurmctld, Airflow's components, PostgreSQL
     ("tests/integration/test_slurm_gates.py", "control-plane"),  # takes every GPU of the partition
     ("tests/integration/test_utilization_ledger.py", "control-plane"),  # drains a node
-    ("tests/integration/test_mlflow_server.py", "control-plane"),  # takes MLflow down and up
     ("tests/reliability/test_a_new_fault.py", "control-plane"),  # unlisted: beside only the local lane
     ("tests/integration/test_a_new_stage.py", "control-plane"),
-    ("tests/integration/test_training_job.py", "local"),
     ("tests/integration/test_backfill_never_starts_a_night.py", "local"),  # an Airflow of its own on SQLite
+    ("tests/integration/test_spark_stages.py", "local"),
 ])
 def test_lane_of(test_id, lane):
     assert test_lanes.lane_of(test_id) == lane

@@ -49,6 +49,8 @@ def test_rank_0_writes_progress_step_figures_and_the_progress_line(tmp_path, cap
     report.evaluation()
     report.allreduce_share(26, step_s=0.2, comm_s=0.05)
     report.allreduce_share(51, step_s=0.2, comm_s=None)  # one rank: nothing to share
+    report.allreduce_share(76, step_s=0.02, comm_s=0.05)  # a stalled rank, not a share: no step figure
+    report.allreduce_share(101, step_s=0.0, comm_s=0.0)
     report.close()
     figures = [{k: v for k, v in line.items() if k != "timestamp_ms"} for line in step_metrics(tmp_path)]
     assert figures == [{"step": 25, "loss": 0.5}, {"step": 25, "holdout_auc": 0.8, "holdout_log_loss": 0.45},
