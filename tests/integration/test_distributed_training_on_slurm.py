@@ -102,8 +102,9 @@ def test_two_nodes_train_what_one_rank_with_the_whole_batch_trains(training_area
         # metrics.json keeps it, the step figures do not
         steps = [json.loads(line) for line in hook.read_text(f"{run_dir}/step_metrics.jsonl").splitlines()]
         shares = [row["allreduce_share"] for row in steps if "allreduce_share" in row]
-        expected = [comm / step for _, step, comm in share["series"] if comm < step]
-        assert expected and np.allclose(shares, expected, rtol=1e-3) and all(0 < value < 1 for value in shares)
+        expected = [comm / step for _, step, comm in share["series"] if comm < step]  # the series is in rounded ms
+        assert expected and np.allclose(shares, expected, rtol=0.02, atol=1e-3)
+        assert all(0 < value < 1 for value in shares)
     finally:
         hook.cancel(two_nodes)
         hook.cancel(one_rank)
