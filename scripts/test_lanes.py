@@ -8,9 +8,9 @@ the other; the lanes of a phase run side by side, and no lane takes down what a 
   Triton, Spark) and take none of them down.
 - ``crashes``: what crashes Slurm (a node, slurmctld, every GPU taken) or Airflow's control plane, one after another
   (the nightly end to end kills the control plane itself), beside tests that use none of those (a private Airflow
-  on SQLite, Spark).
+  on SQLite, Spark, the training job on this machine's cores).
 - ``outages``: sshd, Airflow's triggerer and MLflow taken down, Airflow's slots filled, beside Triton taken down (no
-  test beside it uses Triton) and the training job on this machine's cores.
+  test beside it uses Triton).
 
 A lane is a list of pytest node id prefixes: a folder, a file, or one test of a file (``file::test``: it runs in
 that lane and is deselected from its file's). A test file no lane names runs in ``control-plane``: beside it only
@@ -40,7 +40,6 @@ PHASES: dict[str, dict[str, tuple[str, ...]]] = {
             "tests/integration/test_triton_deploy.py", "tests/integration/test_triton_release.py",
             "tests/integration/test_model_registry.py", "tests/integration/test_release_approval.py",
             "tests/integration/test_workload_router.py",  # its realtime route deploys to Triton
-            "tests/integration/test_stack_smoke.py",
         ),
         "training": (
             "tests/integration/test_training_tracking.py", "tests/integration/test_training_on_slurm.py",
@@ -48,6 +47,7 @@ PHASES: dict[str, dict[str, tuple[str, ...]]] = {
             "tests/integration/test_oncall_training_job.py", "tests/integration/test_retrain_generation.py",
             "tests/integration/test_router_gpu_scoring.py",
             f"{HEALS}::test_a_data_error_fails_at_once_without_a_requeue_or_a_retry",
+            "tests/integration/test_stack_smoke.py",
         ),
         "airflow": (
             "tests/unit/", "tests/dags/",
@@ -69,6 +69,7 @@ PHASES: dict[str, dict[str, tuple[str, ...]]] = {
         "local": (
             "tests/integration/test_backfill_never_starts_a_night.py",  # an Airflow of its own, on SQLite
             "tests/integration/test_spark_stages.py", "tests/reliability/test_data_faults.py",
+            "tests/integration/test_training_job.py",  # on this machine's cores: no service at all
         ),
     },
     "outages": {
@@ -82,7 +83,6 @@ PHASES: dict[str, dict[str, tuple[str, ...]]] = {
         "triton-outages": (
             "tests/reliability/test_triton_faults.py",  # takes Triton down
             "tests/reliability/test_triton_hostile_requests.py",  # kills tritonserver under load
-            "tests/integration/test_training_job.py",  # on this machine's cores: no service at all
         ),
     },
 }

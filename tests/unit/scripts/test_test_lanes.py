@@ -46,7 +46,8 @@ def test_a_single_test_of_a_file_not_in_the_run_is_not_added():
     ("tests/integration/test_release_approval.py", "triton"),
     ("tests/reliability/test_triton_faults.py", "triton-outages"),  # takes Triton down: beside no Triton user
     ("tests/reliability/test_triton_hostile_requests.py", "triton-outages"),  # kills tritonserver
-    ("tests/integration/test_training_job.py", "triton-outages"),  # no service at all
+    ("tests/integration/test_training_job.py", "local"),  # no service at all
+    ("tests/integration/test_stack_smoke.py", "training"),
     ("tests/unit/test_config.py", "airflow"),
     ("tests/unit/a/new/test_folder.py", "airflow"),
     ("tests/integration/test_training_on_slurm.py", "training"),
