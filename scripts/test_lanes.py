@@ -88,6 +88,7 @@ PHASES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 LANES = tuple(lane for lanes in PHASES.values() for lane in lanes)
 UNLISTED_LANE = "control-plane"
+NO_TESTS_COLLECTED = 5  # pytest's exit code
 
 
 def covers(prefix: str, test_id: str) -> bool:
@@ -123,7 +124,7 @@ def plan(test_files: list[str]) -> dict[str, list[str]]:
 
 
 def lane_args(args: list[str], lane: str) -> list[str]:
-    """The pytest arguments of one lane: a report file of its own (``--junitxml=ci.xml`` -> ``ci.serving.xml``)."""
+    """The pytest arguments of one lane: a report file of its own (``--junitxml=ci.xml`` -> ``ci.triton.xml``)."""
     out = []
     for arg in args:
         if arg.startswith("--junitxml="):
@@ -186,8 +187,16 @@ def main(args: list[str]) -> int:
     for phase in PHASES:  # every phase runs, whatever the one before it found: CI shows every failure at once
         codes |= run_phase(phase, lanes, args, log_dir, started)
     print(f"\n[lanes] exit codes {codes}, {time.monotonic() - started:.0f} s in all", flush=True)
-    failed = [code for code in codes.values() if code != 0]
-    return failed[0] if failed else 0
+    return exit_code(codes)
+
+
+def exit_code(codes: dict[str, int]) -> int:
+    """The run's exit code from the lanes': the first failure's; pytest's 5 (no test collected, as under ``-k``
+    in a lane none of whose tests match) only when no lane collected any."""
+    failed = [code for code in codes.values() if code not in (0, NO_TESTS_COLLECTED)]
+    if failed:
+        return failed[0]
+    return NO_TESTS_COLLECTED if codes and all(code == NO_TESTS_COLLECTED for code in codes.values()) else 0
 
 
 if __name__ == "__main__":

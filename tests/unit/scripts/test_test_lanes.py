@@ -99,3 +99,15 @@ def test_every_lane_belongs_to_one_phase():
 ])
 def test_each_lane_writes_its_own_report(args, expected):
     assert test_lanes.lane_args(args, "triton") == expected
+
+
+@pytest.mark.parametrize(("codes", "expected"), [
+    ({"triton": 0, "airflow": 0}, 0),
+    ({"triton": 5, "airflow": 0}, 0),  # -k matched nothing in one lane
+    ({"triton": 5, "airflow": 5}, 5),  # nothing collected anywhere: a broken selection
+    ({"triton": 1, "airflow": 5}, 1),
+    ({"triton": 0, "airflow": 2, "local": 1}, 2),
+    ({}, 0),
+])
+def test_the_runs_exit_code(codes, expected):
+    assert test_lanes.exit_code(codes) == expected
