@@ -35,7 +35,7 @@ from hybridflow.layout import TrainingRunDir
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, approval_tasks, deploy_kwargs
-from hybridflow.params import integer, strict_params
+from hybridflow.params import integer, stall_watch, strict_params
 from hybridflow.paths import jobs_dir
 from hybridflow.pipeline.nightly import NightlyTask
 from hybridflow.sensors.checkpoint import CheckpointSensor
@@ -114,6 +114,7 @@ with DAG(
                            description="Upper bound on optimizer steps."),
         "train_window_days": Param(cfg.train_window_days, **integer(1, 90),
                                    description="Days of published features, ending at the run's date, to train on."),
+        **stall_watch(config.recovery),
         "retrain": Param(0, **integer(0, MAX_GENERATION),
                          description="Training generation. 0: a cleared or rerun training task follows the job this "
                                      "run already ran, even a completed one (never twice). N: a new job and a fresh "
@@ -231,6 +232,10 @@ with DAG(
             execution_timeout=timedelta(minutes=cfg.time_limit_min * (cluster.max_requeues + 1)),
             runbook="include/runbooks/training.md",
             retrain="{{ params.retrain }}",  # prepare put the generation in run_dir; this puts it in the job name
+            stall_timeout_s="{{ params.stall_timeout_s }}",
+            stall_floor_s="{{ params.stall_floor_s }}",
+            stall_factor="{{ params.stall_factor }}",
+            stall_warm_up_steps="{{ params.stall_warm_up_steps }}",
         )
         prepared >> train
 

@@ -31,7 +31,8 @@ config file's directory; keys starting with "_" are comments)::
       "heartbeat_every_s": 5,                           optional: each rank's heartbeat file (the stall watch)
       "torch_threads": 4,                               optional; default SLURM_CPUS_PER_TASK, else torch's
       "collective_timeout_s": 300,                      optional: a collective (or the rendezvous) waiting
-                                                        longer for a dead or stuck rank fails the job
+                                                        longer for a dead or stuck rank fails the job (the
+                                                        operator sets it above its stall watch)
       "allreduce_sample_every_steps": 25,               optional: all-reduce share sampling period (steps)
       "precision": "auto"                               optional: auto (bf16 autocast over float32 weights on a
                                                         GPU with bf16, float32 elsewhere), fp32, or bf16 (autocast
@@ -44,7 +45,9 @@ config file's directory; keys starting with "_" are comments)::
     }
 
 Outputs under run_dir: progress.json, checkpoints/step_<n>/ (each with MANIFEST.json, written by rank 0 last,
-after every rank saved its shards), metrics.json (with the all-reduce share of a step and where each rank ran),
+after every rank saved its shards), metrics.json (the loop's own rows/s, median step and GPU utilization between
+its first and last timed step as samples_per_s and loop, the rest of the time per phase in time_split_s, the
+all-reduce share of a step and where each rank ran),
 gpu_metrics.rank<r>.jsonl (each rank's own GPUs), step_metrics.jsonl (rank 0's step figures: loss, rows/s,
 all-reduce share, holdout figures; what MLflow gets) and export/ (model.pt, signature.json, smoke.json).
 signature.json's "precision" says whether scoring may use bf16 (the export's check of bf16 against float32 on the
@@ -52,8 +55,10 @@ smoke set and a holdout sample).
 
 On a GPU the loop never waits for the device between steps: the data and each epoch's row order live on the
 device, the loss is read every log_every_steps, stop requests are agreed over a CPU (gloo) group, DeepSpeed's
-throughput timer (which synchronizes twice a step) is off, torch's AdamW is fused, and at ZeRO stage 0 the loop
-clips gradients itself (see hybridtrain.config.settings_for_device). One node: ZeRO stage 0 (zero0.json).
+throughput timer (which synchronizes twice a step) is off, torch's AdamW is fused, and at ZeRO stage 0, 1 and 2 the
+job clips gradients on the device before each optimizer step, where DeepSpeed would read the norm on the host (see
+hybridtrain.config.settings_for_device; tests/unit/jobs/hybridtrain/test_train_host_syncs.py counts the waits).
+One node: ZeRO stage 0 (zero0.json).
 
 Signals: SIGUSR2 finishes the step, checkpoints, and requeues the Slurm job (``scontrol requeue
 $SLURM_JOB_ID``); SIGTERM finishes the step, checkpoints and stops. A restart resumes from the newest complete

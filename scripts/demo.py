@@ -24,26 +24,57 @@ import random
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 from airflow_api import STATE
 from airflow_session import Airflow, local_airflow
+from hybridflow.utils.latency import percentile
 
 NIGHTLY = "nightly_training"
 DEMO_GPUS = 2
 TRITON = "http://127.0.0.1:8000"
 
 
+# What Triton (and the guard) say of a model no version of which is loaded yet: the request was early, not failed.
+NOT_SERVED_MARKERS = ("unknown model", "is not found", "not ready", "no version", "unavailable")
+
+
+def not_served_yet(status: int, body: str) -> bool:
+    """A refusal because nothing serves the model yet (HTTP 400/404/503 saying so), not an error of a version."""
+    return status in (400, 404, 503) and any(marker in body.lower() for marker in NOT_SERVED_MARKERS)
+
+
+@dataclass
+class Tally:
+    """The client's requests: answers (and latencies) per version, requests before any version served, errors."""
+
+    answers: dict[str, int] = field(default_factory=dict)
+    latencies_ms: list[float] = field(default_factory=list)
+    not_served: int = 0
+    errors: int = 0
+
+    def summary(self) -> str:
+        """``answers by version 1: 639, version 2: 80; 0 errors; 119 sent before any version served; p99 4.1 ms
+        of 719``."""
+        answered = ", ".join(f"version {v}: {n}" for v, n in sorted(self.answers.items(), key=lambda kv: int(kv[0])))
+        p99 = (f"p99 {percentile(self.latencies_ms, 99):.1f} ms of {len(self.latencies_ms)}" if self.latencies_ms
+               else "no latency")
+        return (f"answers by {answered or 'no version'}; {self.errors} errors; {self.not_served} sent before any "
+                f"version served (not served yet); {p99}")
+
+
 class Traffic(threading.Thread):
-    """Unversioned requests for ``model`` until stopped, counting answers per version: rows of the served
-    version's smoke set (real feature rows of its export), each slightly perturbed."""
+    """Unversioned requests for ``model`` until stopped, tallied (:class:`Tally`): rows of the served version's
+    smoke set (real feature rows of its export), each slightly perturbed."""
 
     def __init__(self, model: str, repository: Path):
         super().__init__(daemon=True)
         self.model, self.repository = model, repository
-        self.stopped, self.answers, self.failed = threading.Event(), {}, 0
+        self.stopped, self.tally = threading.Event(), Tally()
 
     def rows(self) -> list[list[float]]:
         versions = sorted((p for p in (self.repository / self.model).glob("[0-9]*/smoke.json")),
@@ -66,13 +97,22 @@ class Traffic(threading.Thread):
                 row = [value + noise.gauss(0, 0.1) for value in noise.choice(rows)]
                 body = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, len(row)],
                                                "data": row}]}).encode()
+                started = time.perf_counter()
                 try:
                     request = urllib.request.Request(f"{TRITON}/v2/models/{self.model}/infer", data=body)
                     with urllib.request.urlopen(request, timeout=30) as answer:
-                        version = json.load(answer)["model_version"]
-                    self.answers[version] = self.answers.get(version, 0) + 1
+                        version = str(json.load(answer)["model_version"])
+                    self.tally.latencies_ms.append((time.perf_counter() - started) * 1000)
+                    self.tally.answers[version] = self.tally.answers.get(version, 0) + 1
+                except urllib.error.HTTPError as refused:
+                    if not_served_yet(refused.code, refused.read().decode(errors="replace")):
+                        self.tally.not_served += 1
+                        self.stopped.wait(1)  # published but not loaded yet: ask again in a moment
+                    else:
+                        self.tally.errors += 1
+                    break
                 except (OSError, ValueError, KeyError):
-                    self.failed += 1
+                    self.tally.errors += 1
                     break
 
 
@@ -86,8 +126,9 @@ def release_lines(deploy: dict) -> list[str]:
     for step in release.get("steps") or []:
         figures = step.get("figures") or {}
         phase = "shadow" if step["mode"] == "shadow" else f"canary {step['share']}%"
-        shown = ", ".join(f"{k} {figures[k]}" for k in ("requests", "stable_requests", "error_rate", "p99_ms",
-                                                          "stable_p99_ms", "mean_shift", "psi") if k in figures)
+        shown = ", ".join(f"{k} {figures[k]}" for k in ("requests", "stable_requests", "errors", "p99_ms",
+                                                          "stable_p99_ms", "p50_ratio_low", "p99_ratio_low",
+                                                          "mean_shift", "psi") if k in figures)
         lines.append(f"release: {phase}: {step['outcome']} after {step.get('seconds')} s ({shown})"
                      + (f"; {'; '.join(step['reasons'])}" if step.get("reasons") else ""))
     if release.get("no_traffic"):
@@ -273,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dag == NIGHTLY:
         for line in nightly_summary(airflow, run_id, storage_root) + ledger_lines(airflow, storage_root, args.timeout):
             print(f"  {line}")
-        answered = ", ".join(f"version {v}: {n}" for v, n in sorted(traffic.answers.items())) or "none"
-        print(f"  client during the run: answers by {answered}; {traffic.failed} failed")
+        print(f"  client during the run: {traffic.tally.summary()}")
     print(f"UI: {airflow.base_url}/dags/{args.dag}/runs/{run_id}  (login admin, password in "
           f"{os.path.relpath(STATE / 'airflow' / 'passwords.json')})")
     print("The stack keeps running; `make down` stops it.")

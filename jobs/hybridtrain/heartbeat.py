@@ -6,6 +6,9 @@ made progress (the training loop calls :meth:`Heartbeat.beat` at every step, eva
 change), and ``time``, when the thread wrote. The orchestrator reads both (plugins' ``utils/stalls.py``):
 ``progress_at`` old on every rank is a stall; ``time`` old on one rank means that process stopped altogether (a
 SIGSTOP, a frozen node), while a rank whose thread still writes is alive but waiting (for a peer, on I/O).
+``step_s`` (the last :data:`STEP_WINDOW` training steps' durations) and ``steps_timed`` (how many steps this
+process timed) let the watch give each rank a deadline from its own step time; ``every_s``, how long the thread's
+silence may last before it means a stopped process.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from hybridjobs.layout import HEARTBEATS_DIR
 from hybridtrain.checkpoints import write_json_atomic
 from hybridtrain.time_split import PhaseClock
 
-__all__ = ["Heartbeat", "heartbeat_file"]
+__all__ = ["STEP_WINDOW", "Heartbeat", "heartbeat_file"]
+
+STEP_WINDOW = 32  # the recent step durations a heartbeat carries
 
 
 def heartbeat_file(run_dir: Path, rank: int) -> Path:
@@ -39,17 +44,25 @@ class Heartbeat:
         self._place = {"rank": rank, "node": node, "pid": os.getpid(), "job_id": environ.get("SLURM_JOB_ID", ""),
                        "restart": int(restart) if restart.isdigit() else 0}
         self._phase, self._step, self._progress_at = "starting", 0, clock()
+        # a tuple replaced whole: the writer thread reads it while the loop appends
+        self._step_s: tuple[float, ...] = ()
+        self._steps_timed = 0
         self.phases = PhaseClock(self._phase)  # wall time per phase (time_split); monotonic, unlike the beat's clock
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
     def beat(self, *, step: int | None = None, phase: str | None = None) -> None:
+        now = self._clock()
+        if phase is None and self._phase == "training" and step == self._step + 1:
+            # a step's duration: since the last step, or since training resumed after a checkpoint
+            self._step_s = (*self._step_s[1 - STEP_WINDOW:], round(now - self._progress_at, 4))
+            self._steps_timed += 1
         if step is not None:
             self._step = step
         if phase is not None:
             self.phases.enter(phase)
             self._phase = phase
-        self._progress_at = self._clock()
+        self._progress_at = now
 
     def start(self) -> Heartbeat:
         self._path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +82,9 @@ class Heartbeat:
     def write(self) -> None:
         try:
             write_json_atomic(self._path, {**self._place, "phase": self._phase, "step": self._step,
-                                           "progress_at": round(self._progress_at, 3), "time": round(self._clock(), 3)})
+                                           "progress_at": round(self._progress_at, 3), "time": round(self._clock(), 3),
+                                           "step_s": list(self._step_s), "steps_timed": self._steps_timed,
+                                           "every_s": self._every_s})
         except OSError:
             pass  # best effort: a full or briefly unreachable filesystem must not end training; the watch sees silence
 

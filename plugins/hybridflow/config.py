@@ -28,6 +28,7 @@ from hybridflow.layout import StorageLayout
 from hybridflow.paths import include_dir
 from hybridflow.utils.mlflow_tracking import validate_experiment_name
 from hybridflow.utils.release import StepThresholds, canary_steps
+from hybridflow.utils.stalls import STALL_SETTINGS
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 # ZeRO stages with a DeepSpeed config in include/deepspeed/zero<stage>.json.
@@ -206,9 +207,10 @@ class ReleaseConfig(StepThresholds):
     """How a new version meets real traffic once it passed the smoke set and the latency gate.
 
     ``progressive``: the guard copies unversioned requests to it (shadow, ``shadow_s``; 0 skips it), then sends it
-    each ``canary_steps`` share in turn; every step lasts at least ``step_min_s`` and is judged on ``min_requests``
-    per version (error rate, p99, mean score shift and PSI against the stable version on the same traffic); the
-    last step, 100, is the promotion. ``direct``: promote after the gates (no real traffic first).
+    each ``canary_steps`` share in turn; every step lasts at least ``step_min_s`` and is judged against the stable
+    version on the same window by :func:`hybridflow.utils.release.judge` (errors by count, latency ratios and the
+    SLO by distribution-free bounds at ``confidence``, mean score shift and PSI); the last step, 100, is the
+    promotion. ``direct``: promote after the gates (no real traffic first).
     ``no_traffic``: when a step sees too few requests within ``step_timeout_s``: ``fail`` (roll back),
     ``promote`` (on the gates alone, said in the log and the report) or ``wait`` (no time limit but the task's).
     ``approval_timeout_s``: with approval asked (``deploy=ask``), how long the release waits at its last canary
@@ -259,6 +261,7 @@ class ServingConfig:
     slo_p99_ms: float = 50.0
     gate_concurrency: int = 4
     gate_requests: int = 400
+    gate_warmup_requests: int = 20
     readiness_timeout_s: float = 300.0
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
 
@@ -277,6 +280,13 @@ class ServingConfig:
         for key in ("instance_count", "max_batch_size", "gate_concurrency", "gate_requests"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive integer")
+        # Beside the serving version, the gate bounds each percentile's ratio (utils/release.py judge_gate).
+        needed = max(self.release.samples_needed().values())
+        if self.gate_warmup_requests < 0 or self.gate_requests - self.gate_warmup_requests < needed:
+            raise ConfigError(f"{where}.gate_requests: {self.gate_requests} with gate_warmup_requests "
+                              f"{self.gate_warmup_requests}; the gate's percentiles need {needed} measured requests "
+                              f"for their {self.release.confidence:.0%} bounds: give gate_requests >= "
+                              f"{needed + max(self.gate_warmup_requests, 0)}")
         if self.max_queue_delay_us < 0:
             raise ConfigError(f"{where}.max_queue_delay_us: {self.max_queue_delay_us}; expected >= 0")
         for key in ("slo_p99_ms", "readiness_timeout_s"):
@@ -330,10 +340,14 @@ class FailureClass:
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """How Slurm jobs heal: the stall watch (training ranks' heartbeats) and the failure-class table, in order
-    (the first class that matches a job's end decides)."""
+    """How Slurm jobs heal: the stall watch (training ranks' heartbeats; the deadlines are
+    :class:`~hybridflow.utils.stalls.StallWatch`'s) and the failure-class table, in order (the first class that
+    matches a job's end decides)."""
 
     stall_timeout_s: float = 900.0
+    stall_floor_s: float = 30.0
+    stall_factor: float = 10.0
+    stall_warm_up_steps: int = 5
     max_stall_restarts: int = 2
     failure_classes: Mapping[str, FailureClass] = field(default_factory=dict)
     log_lines: int = 200  # the job log's last lines searched for a class's log_pattern
@@ -346,7 +360,10 @@ class RecoveryConfig:
         check_number(self.node_min_free_gib, f"{where}.node_min_free_gib", 0)
         if self.node_scratch_dir and not self.node_scratch_dir.startswith("/"):
             raise ConfigError(f"{where}.node_scratch_dir: {self.node_scratch_dir!r}; expected an absolute path or ''")
-        check_number(self.stall_timeout_s, f"{where}.stall_timeout_s", 10)
+        for key, (low, high) in STALL_SETTINGS.items():
+            check = check_integer if key == "stall_warm_up_steps" else check_number
+            if check(getattr(self, key), f"{where}.{key}", low) > high:
+                raise ConfigError(f"{where}.{key}: {getattr(self, key)!r}; expected a number <= {high:g}")
         check_integer(self.max_stall_restarts, f"{where}.max_stall_restarts", 0)
         check_integer(self.log_lines, f"{where}.log_lines", 1)
 

@@ -23,11 +23,16 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from hybridflow.utils.stalls import STALL_SETTINGS
+
 if TYPE_CHECKING:
     from airflow.sdk import Param
 
+    from hybridflow.config import RecoveryConfig
+
 __all__ = ["DRAFT4", "MAX_VERSION", "NOT_NAN", "anchored", "closed_object", "date", "field_union", "integer",
-           "is_anchored", "model_version", "number", "schema_problems", "strict_params", "text", "workload_config"]
+           "is_anchored", "model_version", "number", "schema_problems", "stall_watch", "strict_params", "text",
+           "workload_config"]
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
 END = r"$(?!\n)"
@@ -147,6 +152,29 @@ def workload_config(workloads: Iterable[Any]) -> dict[str, Any]:
 
     return closed_object(field_union((name, schema(rule)) for workload in workloads
                                      for name, rule in workload.fields.items()))
+
+
+_STALL_DESCRIPTIONS = {
+    "stall_timeout_s": "Stall watch: the longest a rank may go without progress, in any phase (start-up, data load, "
+                       "checkpoints, evaluation); the job's collective timeout is this + 180 s.",
+    "stall_floor_s": "Stall watch: the shortest progress deadline of a training rank past its warm-up.",
+    "stall_factor": "Stall watch: a training rank's deadline is this many times its median step time (at least "
+                    "stall_floor_s, at most stall_timeout_s).",
+    "stall_warm_up_steps": "Stall watch: the steps a rank trains (after each start or resume) before its deadline "
+                           "follows its own step time.",
+}
+
+
+def stall_watch(recovery: RecoveryConfig) -> dict[str, Param]:
+    """The stall watch's settings as a run's params: pipeline.yaml's values by default, bounded as pipeline.yaml's
+    are (:data:`hybridflow.utils.stalls.STALL_SETTINGS`)."""
+    from airflow.sdk import Param
+
+    params = {}
+    for name, (low, high) in STALL_SETTINGS.items():
+        schema = integer(int(low), int(high)) if name == "stall_warm_up_steps" else number(low, high)
+        params[name] = Param(getattr(recovery, name), **schema, description=_STALL_DESCRIPTIONS[name])
+    return params
 
 
 # --- the policy every DAG param follows -----------------------------------------------------------------------

@@ -55,7 +55,13 @@ FIGURES = {
                "load_s": 2.1,
                "smoke": {"rows": 16, "max_abs_error": 1e-7, "atol": 1e-5},
                "latency": {"requests": 1000, "concurrency": 8, "p50_ms": 4.2, "p99_ms": 12.5,
-                           "throughput_rps": 500.0, "failed": 0}},
+                           "throughput_rps": 500.0, "failed": 0,
+                           "decision": "pass: p99 12.50 ms of 980 requests after 20 warm-up; 95% bounds [11.90, "
+                                       "13.40] ms; SLO p99 50 ms, failed only on a lower bound over it"},
+               "release": {"strategy": "progressive", "steps": [], "no_traffic": False,
+                           "decision": "canary 50% pass: pass: errors 0 of 412 <= 8, the most a 1.00% rate "
+                                       "explains at 95%; pass: p50 ratio >= 0.91 <= 1.5 (95%: candidate p50 >= 4.1 "
+                                       "ms of 412, stable p50 <= 4.5 ms of 420)"}},
 }
 
 # The nights from MLflow with a gap: a night without a figure, a figure not finite, a night without a valid ds

@@ -7,26 +7,32 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import textwrap
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from helpers.processes import rank_pids
 from helpers.stack import LOCALSTACK
 from helpers.waiting import joined, run_in_thread, wait_until
+from hybridflow.config import load_pipeline_config
 from hybridflow.hooks.slurm import SlurmHook
 from hybridflow.notifiers.oncall import default_alerts_file
 from hybridflow.utils.failures import parse_recovery_log, recovery_log_path
+from hybridflow.utils.stalls import COLLECTIVE_MARGIN_S
 
 pytestmark = pytest.mark.slow
 
-STALL_TIMEOUT_S = 20
-# The issue's bound: a stall is seen within stall_timeout_s + 30 s of the rank stopping.
-DETECTION_SLACK_S = 30
+# The issue's bounds, with the default config's stall watch: the stall seen within 60 s of the rank stopping, the
+# run succeeding within 2 minutes of it, not counting the wait for Slurm's scheduler to start the requeued job
+# (its backfill pass, every 30 s by default: measured 11-28 s here; a cluster setting, not the pipeline's).
+DETECTION_BOUND_S = 60
+SUCCESS_BOUND_S = 120
 
 TRAINING_DAG = textwrap.dedent('''
     from datetime import datetime, timedelta
@@ -37,7 +43,7 @@ TRAINING_DAG = textwrap.dedent('''
         DeepSpeedTrainingOperator(
             task_id="train", run_config={run_config!r}, run_dir={run_dir!r}, python={python!r},
             jobs_dir={jobs_dir!r}, partition="gpu-training", nodes={nodes}, gpus_per_node=1, cpus_per_task=1,
-            time_limit=10, poll_interval_s=2, stall_timeout_s={stall_timeout_s}, max_stall_restarts=1,
+            time_limit=10, poll_interval_s=2, {stall}max_stall_restarts=1,
             mlflow_conn_id=None, retries={retries}, retry_delay=timedelta(seconds=1),
         )
 ''')
@@ -49,19 +55,43 @@ def alerts_of(dag_id: str) -> list[dict]:
     return [alert for alert in map(json.loads, lines) if alert["dag_id"] == dag_id]
 
 
-def test_a_stopped_rank_is_found_its_stack_reported_and_the_same_job_resumes_and_completes(
+def stop_while_training(hook: SlurmHook, run_dir: str, pid: int, warm_up_steps: int) -> tuple[float, dict]:
+    """SIGSTOP the rank at a moment its heartbeat file (what the watch reads; the thread stops with the process)
+    says it trains past its warm-up, so the deadline from its step time is the one under test; a stop that
+    landed in a checkpoint is taken back. Returns when it stopped and its last heartbeat."""
+    for _ in range(10):
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        time.sleep(0.5)  # a write of the file under way ends
+        beat = json.loads(hook.read_text(f"{run_dir}/heartbeats/rank1.json") or "{}")
+        if beat.get("phase") == "training" and beat.get("steps_timed", 0) > warm_up_steps:
+            return stopped_at, beat
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(2)
+    pytest.fail(f"rank 1 was never seen training past its warm-up: {beat}")
+
+
+def scheduler_wait_s(hook: SlurmHook, job_id: str) -> float:
+    """Seconds from the requeued job's eligibility to its start (Slurm's accounting, one row per attempt)."""
+    last = hook.run(["sacct", "-D", "-X", "-P", "-n", "-j", job_id, "--format=Eligible,Start"]).stdout.split()[-1]
+    eligible, started = (datetime.fromisoformat(value) for value in last.split("|"))
+    return (started - eligible).total_seconds()
+
+
+def test_a_stopped_rank_is_found_within_a_minute_by_the_default_watch_named_and_the_job_resumes(
         run_dag, stack, training_area, make_run_config):
-    """SIGSTOP rank 1 (on gpu-node-02) after the first checkpoint: within stall_timeout_s + 30 s the task names
-    rank 1, its node and its Python frames in the job's log and an on-call alert; the job is requeued (one job
-    id, restart 1), resumes from its checkpoint and completes; the task succeeds."""
+    """SIGSTOP rank 1 (on gpu-node-02) while it trains, past its first checkpoint, with the default config's stall
+    watch (pipeline.yaml recovery, heartbeats every 5 s): within 60 s the task's log names rank 1, its node, its last
+    step, its deadline from its median step time and its Python frames, as do the job's log and an on-call alert;
+    the job, whose collective timeout was set above the watch, is requeued (one job id, restart 1), resumes from
+    its checkpoint and completes; the task succeeds within 2 minutes of the stop."""
     features, run_dir = training_area
     dag_id = f"heal_stall_{uuid.uuid4().hex[:6]}"
-    config = make_run_config(features, max_steps=400, checkpoint_every_steps=20, heartbeat_every_s=1,
-                             collective_timeout_s=600)
+    recovery = load_pipeline_config().recovery
+    config = make_run_config(features, max_steps=600, checkpoint_every_steps=300)
     source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
                                  python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
-                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"],
-                                 stall_timeout_s=STALL_TIMEOUT_S, nodes=2, retries=0)
+                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall="", nodes=2, retries=0)
     hook = SlurmHook()
     thread, box = run_in_thread(run_dag, source, dag_id, timeout_s=600)
     stopped_pid = None
@@ -72,35 +102,48 @@ def test_a_stopped_rank_is_found_its_stack_reported_and_the_same_job_resumes_and
         pids = rank_pids(job_id)
         assert sorted(pids) == [0, 1], pids
         stopped_pid = pids[1]
-        os.kill(stopped_pid, signal.SIGSTOP)
-        stopped_at = time.time()
+        stopped_at, beat = stop_while_training(hook, run_dir, stopped_pid, recovery.stall_warm_up_steps)
 
         result = joined(thread, box, 540)
+        succeeded_s = time.time() - stopped_at
         assert result["state"] == "success", result["log"][-5000:]
         event = result["tasks"]["train"]["xcom"]["return_value"]
         assert event["job_id"] == job_id and event["restarts"] == 1, event  # one job chain, requeued once
+        job_config = json.loads(hook.read_text(f"{run_dir}/config.json"))
+        assert job_config["collective_timeout_s"] == recovery.stall_timeout_s + COLLECTIVE_MARGIN_S
         [stall] = [r for r in event["recovery"] if r["kind"] == "stall"]
-        assert [(r["rank"], r["node"]) for r in stall["stall"]["ranks"]] == [(1, "gpu-node-02")], stall
+        [rank] = stall["stall"]["ranks"]
+        assert (rank["rank"], rank["node"], rank["pid"], rank["step"]) == (1, "gpu-node-02", stopped_pid, beat["step"])
+        assert re.search(r"stall_factor=10 x median step [0-9.e-]+ s over \d+ steps", rank["deadline"]), rank
         metrics = json.loads(hook.read_text(f"{run_dir}/metrics.json"))
         assert metrics["resumed_from_step"] >= progress["last_checkpoint_step"] and metrics["restarts"] == 1
-        assert metrics["step"] == 400
+        assert metrics["step"] == 600
 
         log = result["log"]  # the task's log, as on-call reads it
+        named = f"rank 1@gpu-node-02 (pid {stopped_pid}, step {beat['step']} at its last heartbeat, training; "
+        assert f"STALL of Slurm job {job_id}: no rank progressed for " in log and named in log, log[-5000:]
+        assert "its heartbeat is silent too" in log and "Python stack of rank 1@gpu-node-02" in log
+        assert "(hybridtrain/runner.py:" in log  # the job's own line, beside the collective it sits in
         assert "ranks (rank@node): 0@gpu-node-01, 1@gpu-node-02" in log and " rows/s" in log
         assert "Training finished: holdout AUC 0." in log
         completed = log[log.index("COMPLETED in"):]
-        assert "finished at step 400" in completed and "real_accelerator" not in completed
+        assert "finished at step 600" in completed and "real_accelerator" not in completed
 
         [alert] = [a for a in alerts_of(dag_id) if a["kind"] == "stall"]
         assert "rank 1@gpu-node-02" in alert["error"] and alert["job_id"] == job_id, alert
         assert "Python stack of rank 1@gpu-node-02" in alert["log_tail"]
-        assert "(hybridtrain/runner.py:" in alert["log_tail"]  # the job's own line, beside the collective it sits in
+        assert "(hybridtrain/runner.py:" in alert["log_tail"]
         job_log = hook.read_text(f"{run_dir}/logs/{event['name']}-{job_id}.err") or ""
-        assert "STALL of Slurm job" in job_log and "(hybridtrain/runner.py:" in job_log
+        assert "STALL of Slurm job" in job_log and named in job_log and "(hybridtrain/runner.py:" in job_log
+        assert "a collective operation failed" not in job_log  # the watch named the rank before gloo gave up
         records = parse_recovery_log(hook.read_text(recovery_log_path(f"{run_dir}/logs", event["name"])))
         assert [r["kind"] for r in records] == ["stall"]
         detected_s = records[0]["detected_at"] - stopped_at
-        assert detected_s <= STALL_TIMEOUT_S + DETECTION_SLACK_S, detected_s
+        waited_s = scheduler_wait_s(hook, job_id)
+        print(f"RELIABILITY stall job={job_id} step={beat['step']} detected_s={detected_s:.1f} "
+              f"succeeded_s={succeeded_s:.1f} slurm_scheduler_wait_s={waited_s:.0f} deadline={rank['deadline']!r}")
+        assert detected_s <= DETECTION_BOUND_S, detected_s
+        assert succeeded_s - waited_s <= SUCCESS_BOUND_S, (succeeded_s, waited_s)
     finally:
         if stopped_pid:
             try:
@@ -120,8 +163,7 @@ def test_a_node_that_fails_its_self_check_is_left_out_and_training_completes_on_
     config = make_run_config(features, max_steps=40, checkpoint_every_steps=20)
     source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
                                  python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
-                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall_timeout_s=STALL_TIMEOUT_S,
-                                 nodes=1, retries=0)
+                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall="", nodes=1, retries=0)
     scratch = Path(stack["HYBRIDFLOW_NODE_SCRATCH_DIR"].replace("%n", "gpu-node-01"))
     mode = scratch.stat().st_mode
     scratch.chmod(0o000)  # the job user can no longer write there: that node's self-check fails
@@ -155,8 +197,7 @@ def test_a_data_error_fails_at_once_without_a_requeue_or_a_retry(run_dag, stack,
     config = make_run_config(features, ds_range={"start": "2025-01-01", "end": "2025-01-02"})
     source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
                                  python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
-                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall_timeout_s=STALL_TIMEOUT_S,
-                                 nodes=1, retries=1)
+                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall="", nodes=1, retries=1)
     hook = SlurmHook()
     try:
         result = run_dag(source, dag_id, timeout_s=300)
@@ -203,10 +244,11 @@ def test_a_node_that_dies_mid_training_is_left_behind_and_the_job_resumes_on_the
     features, run_dir = training_area
     dag_id = f"heal_nodefail_{uuid.uuid4().hex[:6]}"
     config = make_run_config(features, max_steps=3000, checkpoint_every_steps=300)
+    # the stall watch kept out of the way: Slurm's own handling of a dead node is under test
     source = TRAINING_DAG.format(dag_id=dag_id, run_config=config, run_dir=run_dir,
                                  python=stack["HYBRIDFLOW_CLUSTER_PYTHON"],
-                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"], stall_timeout_s=300, nodes=1,
-                                 retries=0)
+                                 jobs_dir=stack["HYBRIDFLOW_CLUSTER_JOBS_DIR"],
+                                 stall="stall_timeout_s=300, stall_floor_s=300, ", nodes=1, retries=0)
     slurmd_pid = int(Path(f"{stack['HYBRIDFLOW_CLUSTER_DIR']}/slurm/run/slurmd-gpu-node-01.pid").read_text())
     hook = SlurmHook()
     thread, box = run_in_thread(run_dag, source, dag_id, timeout_s=500)

@@ -54,6 +54,15 @@ def mutate(path: str, value):
     "path, value, message",
     [
         ("recovery.stall_timeout_s", 5, "pipeline.recovery.stall_timeout_s: 5.0; expected a number >= 10"),
+        ("recovery.stall_timeout_s", 1e6, "pipeline.recovery.stall_timeout_s: 1000000.0; expected a number <= 86400"),
+        ("recovery.stall_floor_s", 5, "pipeline.recovery.stall_floor_s: 5.0; expected a number >= 10"),
+        ("recovery.stall_floor_s", "30s", "pipeline.recovery.stall_floor_s: expected float, got str '30s'"),
+        ("recovery.stall_factor", float("nan"), "pipeline.recovery.stall_factor: nan; expected a number >= 2"),
+        ("recovery.stall_factor", float("inf"), "pipeline.recovery.stall_factor: inf; expected a number >= 2"),
+        ("recovery.stall_factor", 1001, "pipeline.recovery.stall_factor: 1001.0; expected a number <= 1000"),
+        ("recovery.stall_warm_up_steps", 0, "pipeline.recovery.stall_warm_up_steps: 0; expected an integer >= 1"),
+        ("recovery.stall_warm_up_steps", 2.5, "pipeline.recovery.stall_warm_up_steps: expected int, got float 2.5"),
+        ("recovery.stall_warm_up_steps", True, "pipeline.recovery.stall_warm_up_steps: expected int, got bool"),
         ("recovery.max_stall_restarts", -1, "pipeline.recovery.max_stall_restarts: -1; expected an integer >= 0"),
         ("recovery.failure_classes.cancelled.action", "ignore",
          "pipeline.recovery.failure_classes.cancelled.action: 'ignore'; expected one of requeue, retry, fail"),
@@ -140,6 +149,10 @@ def mutate(path: str, value):
         ("serving.release.max_error_rate", 2, "serving.release.max_error_rate: 2.0; expected a number in (0, 1]"),
         ("serving.release.max_p99_ms", "fast", "serving.release.max_p99_ms: expected float, got str 'fast'"),
         ("serving.release.canary", 10, "pipeline.serving.release: unknown key(s) canary"),
+        ("serving.release.latency_quantiles", [99, 50], "serving.release.latency_quantiles: (99, 50); give increasing"),
+        ("serving.release.latency_quantiles", 99, "serving.release.latency_quantiles: expected a list, got int"),
+        ("serving.release.confidence", 1.0, "serving.release.confidence: 1.0; expected a probability in [0.5, 1)"),
+        ("serving.release.max_latency_ratio", 0.9, "serving.release.max_latency_ratio: 0.9; expected a number above 1"),
     ],
 )
 def test_config_mistakes_name_file_key_and_type(tmp_path, path, value, message):

@@ -13,6 +13,7 @@ import pytest
 from airflow.exceptions import ParamValidationError
 from airflow.sdk import Param
 from airflow.serialization.definitions.param import SerializedParam, SerializedParamsDict
+from hybridflow.config import RecoveryConfig, load_pipeline_config
 from hybridflow.params import (
     DRAFT4,
     anchored,
@@ -21,11 +22,13 @@ from hybridflow.params import (
     integer,
     number,
     schema_problems,
+    stall_watch,
     strict_params,
     text,
     workload_config,
 )
 from hybridflow.pipeline.routing import load_routing_rules
+from hybridflow.utils.stalls import STALL_SETTINGS
 
 ROUTER_CONFIG = workload_config(load_routing_rules().workloads.values())
 KINDS = {
@@ -217,3 +220,41 @@ def test_router_config_lists_every_field_of_routing_yaml():
     fields = {name for w in load_routing_rules().workloads.values() for name in w.fields}
     assert set(ROUTER_CONFIG["properties"]) == fields
     assert schema_problems(ROUTER_CONFIG, "config") == []
+
+
+STALL = strict_params(stall_watch(RecoveryConfig()))
+# Each class of bad value, as a client sends it, for every stall param (the integer one refuses fractions too).
+STALL_BAD = ["NaN", "Infinity", "-Infinity", "1e400", HUGE, "-" + HUGE, "true", "null", '"30"', "[30]", "{}", "-1",
+             "0", "1e9"]
+STALL_VALUES = [(name, raw, False) for name in STALL for raw in STALL_BAD]
+STALL_VALUES += [("stall_timeout_s", "9.5", False), ("stall_timeout_s", "86401", False),
+                 ("stall_floor_s", "9", False), ("stall_floor_s", "3601", False),
+                 ("stall_factor", "1.5", False), ("stall_factor", "1000.5", False),
+                 ("stall_warm_up_steps", "2.5", False), ("stall_warm_up_steps", "5.0", False),
+                 ("stall_warm_up_steps", "1e2", False), ("stall_warm_up_steps", "10001", False)]
+STALL_VALUES += [("stall_timeout_s", "10", True), ("stall_timeout_s", "86400", True),
+                 ("stall_timeout_s", "600.5", True), ("stall_floor_s", "10", True), ("stall_floor_s", "3600", True),
+                 ("stall_factor", "2", True), ("stall_factor", "12.5", True), ("stall_warm_up_steps", "1", True),
+                 ("stall_warm_up_steps", "10000", True)]
+
+
+@pytest.mark.parametrize(("name", "raw", "accepted"), STALL_VALUES, ids=[f"{n}-{r[:24]}" for n, r, _ in STALL_VALUES])
+def test_a_runs_stall_settings_are_refused_or_accepted_by_the_servers_check(name, raw, accepted):
+    """The nightly run's stall params (hybridflow.params.stall_watch) take pipeline.yaml's bounds."""
+    params = SerializedParamsDict({name: SerializedParam(**STALL[name].schema, default=STALL[name].value)})
+    merged = params.deep_merge({name: json.loads(raw)})
+    if accepted:
+        merged.validate()
+    else:
+        with pytest.raises(ParamValidationError, match=f"Invalid input for param {name}"):
+            merged.validate()
+
+
+def test_a_runs_stall_settings_default_to_the_pipeline_config_and_stay_within_its_bounds():
+    config = load_pipeline_config()
+    params = stall_watch(config.recovery)
+    assert {name: param.value for name, param in params.items()} == {
+        name: getattr(config.recovery, name) for name in STALL_SETTINGS}
+    for name, (low, high) in STALL_SETTINGS.items():
+        assert (params[name].schema["minimum"], params[name].schema["maximum"]) == (low, high)
+        assert params[name].description.startswith("Stall watch: ")

@@ -392,13 +392,33 @@ class TritonHook(BaseHook):
         return versions_of(index.get("models", []), name)
 
     def measure_latency(self, name: str, version: int | str, rows: Sequence[Sequence[float]], *, concurrency: int,
-                        requests: int, batch_size: int = 1, timeout_s: float = 10.0) -> LatencySummary:
+                        requests: int, batch_size: int = 1, timeout_s: float = 10.0, warmup: int = 0,
+                        confidence: float = 0.95) -> LatencySummary:
         """A short load: ``requests`` requests of ``batch_size`` rows cycling over ``rows``, ``concurrency`` in
-        flight, through the asyncio client of the connection's protocol. Failed requests are counted, not raised."""
-        return asyncio.run(self._load(name, str(version), rows, concurrency, requests, batch_size, timeout_s))
+        flight, through the asyncio client of the connection's protocol; the first ``warmup`` answers are left out
+        of the percentiles. Failed requests are counted, not raised."""
+        return self.measure_latencies(name, [version], rows, concurrency=concurrency, requests=requests,
+                                      batch_size=batch_size, timeout_s=timeout_s, warmup=warmup,
+                                      confidence=confidence)[0][0]
+
+    def measure_latencies(self, name: str, versions: Sequence[int | str], rows: Sequence[Sequence[float]], *,
+                          concurrency: int, requests: int, batch_size: int = 1, timeout_s: float = 10.0,
+                          warmup: int = 0, confidence: float = 0.95) -> list[tuple[LatencySummary, list[float]]]:
+        """The same load on each of ``versions`` at once (the same window, the same machine): per version, its
+        summary and its latencies in ms after the warm-up."""
+        async def both():
+            return await asyncio.gather(*(self._load(name, str(v), rows, concurrency, requests, batch_size,
+                                                     timeout_s) for v in versions))
+
+        results = []
+        for latencies, failed, wall in asyncio.run(both()):
+            summary = summarize(latencies, wall, concurrency, failed=failed, warmup=warmup, confidence=confidence)
+            results.append((summary, [value * 1000 for value in latencies[summary.warmup:]]))
+        return results
 
     async def _load(self, name: str, version: str, rows, concurrency: int, requests: int, batch_size: int,
-                    timeout_s: float) -> LatencySummary:
+                    timeout_s: float) -> tuple[list[float], int, float]:
+        """(latencies in s in the order they ended, failed requests, wall seconds) of one load."""
         import numpy as np
 
         if self.protocol == "grpc":
@@ -448,7 +468,7 @@ class TritonHook(BaseHook):
             # Requests that met no server say nothing about the version: the server restarted under the load.
             raise ServerUnavailable(f"Triton at {self.url}: {len(unavailable)} of {requests} requests of the latency "
                                     "load met no server (refused, cut or 503: restarting)")
-        return summarize(latencies, wall, concurrency, failed=len(failures))
+        return latencies, len(failures), wall
 
     def test_connection(self) -> tuple[bool, str]:
         if self.is_server_ready():

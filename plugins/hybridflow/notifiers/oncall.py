@@ -68,7 +68,8 @@ RUNBOOKS: dict[str, str] = {
 }
 FAILURE, ACTION, LATE, STALL, UNHEALTHY_NODE = "failure", "action", "late", "stall", "unhealthy_node"
 LOW_UTILIZATION = "low_utilization"  # a GPU partition under its utilization target for days (cluster_utilization)
-ALERT_KINDS = (FAILURE, ACTION, LATE, STALL, UNHEALTHY_NODE, LOW_UTILIZATION)
+RELEASE_HELD = "release_held"  # a release step where both versions broke the SLO: the machine, not the candidate
+ALERT_KINDS = (FAILURE, ACTION, LATE, STALL, UNHEALTHY_NODE, LOW_UTILIZATION, RELEASE_HELD)
 
 REDACTED = "[REDACTED]"
 _SECRET_KEY_NAME = (r"[\w.-]*?(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key)"

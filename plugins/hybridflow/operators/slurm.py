@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from hybridflow.hooks.slurm import SlurmHook
     from hybridflow.utils.slurm_jobs import SlurmJobKey, SlurmJobStatus
+    from hybridflow.utils.stalls import StallWatch
 
 XCOM_JOB_ID = "slurm_job_id"
 XCOM_EFFICIENCY = "efficiency"  # the ended job's figures from Slurm's accounting (utils/efficiency.py)
@@ -55,11 +56,14 @@ class SlurmSubmitOperator(BaseOperator):
     :param wait_before_defer_s: a deferrable task first waits this long for its job here (holding the worker slot):
         a short job's end is then seen at once and its task ends without the round trip through the triggerer
         (about 3 s). 0 defers at once.
-    :param stall_timeout_s: the stall watch (0: off): the ranks write heartbeats into ``heartbeat_dir``
-        (templated; jobs/hybridtrain/heartbeat.py) and the trigger reads them. No rank progressing for this long:
-        the stopped ranks' Python stacks (``py_spy`` on the cluster, through ``srun --overlap``) go into the job's
-        log and an on-call alert, and the job is requeued to resume from its checkpoint, at most
-        ``max_stall_restarts`` times; then it is cancelled and the task fails. Deferrable mode only.
+    :param stall_timeout_s: the stall watch (0: off; templated, like ``stall_floor_s``, ``stall_factor`` and
+        ``stall_warm_up_steps``): the ranks write heartbeats into ``heartbeat_dir`` (templated;
+        jobs/hybridtrain/heartbeat.py) and the trigger reads them. Each rank has a progress deadline: in training,
+        past its warm-up steps, ``max(stall_floor_s, stall_factor x its median step time)``, else this
+        (:class:`~hybridflow.utils.stalls.StallWatch`). Ranks past their deadlines: the stopped ranks' Python stacks
+        (``py_spy`` on the cluster, through ``srun --overlap``) go into the job's log and an on-call alert, and the
+        job is requeued to resume from its checkpoint, at most ``max_stall_restarts`` times; then it is cancelled
+        and the task fails. Deferrable mode only.
     :param failure_classes: what a failed job's end means (:class:`~hybridflow.config.FailureClass` rows, first
         match wins): requeue the same job, let Airflow retry, or fail at once; default the pipeline config's
         ``recovery.failure_classes``. The task's log, its error and its XCom name the class.
@@ -72,7 +76,8 @@ class SlurmSubmitOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = ("command", "partition", "log_dir", "progress_path", "env", "time_limit",
-                                      "nodes", "gpus_per_node", "ranks_per_node", "heartbeat_dir")
+                                      "nodes", "gpus_per_node", "ranks_per_node", "heartbeat_dir", "stall_timeout_s",
+                                      "stall_floor_s", "stall_factor", "stall_warm_up_steps")
     template_fields_renderers = {"env": "json"}
     ui_color = "#d9e7ff"
     operator_extra_links = (SlurmJobLink(),)
@@ -107,7 +112,10 @@ class SlurmSubmitOperator(BaseOperator):
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         wait_before_defer_s: float = 20.0,
         hide_gpus_without_gres: bool = False,
-        stall_timeout_s: float = 0.0,
+        stall_timeout_s: float | str = 0.0,
+        stall_floor_s: float | str = RecoveryConfig.stall_floor_s,
+        stall_factor: float | str = RecoveryConfig.stall_factor,
+        stall_warm_up_steps: int | str = RecoveryConfig.stall_warm_up_steps,
         max_stall_restarts: int = RecoveryConfig.max_stall_restarts,
         heartbeat_dir: str = "",
         py_spy: str = "",
@@ -143,6 +151,9 @@ class SlurmSubmitOperator(BaseOperator):
         self.wait_before_defer_s = wait_before_defer_s
         self.hide_gpus_without_gres = hide_gpus_without_gres
         self.stall_timeout_s = stall_timeout_s
+        self.stall_floor_s = stall_floor_s
+        self.stall_factor = stall_factor
+        self.stall_warm_up_steps = stall_warm_up_steps
         self.max_stall_restarts = max_stall_restarts
         self.heartbeat_dir = heartbeat_dir
         self.py_spy = py_spy
@@ -154,6 +165,15 @@ class SlurmSubmitOperator(BaseOperator):
     def placement_side(self) -> str:
         """``"cpu"`` for a job that asks for no GPU, else ``"gpu"``."""
         return "gpu" if whole_number(self.gpus_per_node, "gpus_per_node") else "cpu"
+
+    @property
+    def stall_watch(self) -> StallWatch | None:
+        """The stall watch's settings (rendered: the one conversion of the templated fields), None when off."""
+        from hybridflow.utils.stalls import StallWatch
+
+        return StallWatch.from_settings({"stall_timeout_s": self.stall_timeout_s, "stall_floor_s": self.stall_floor_s,
+                                         "stall_factor": self.stall_factor,
+                                         "stall_warm_up_steps": self.stall_warm_up_steps})
 
     @cached_property
     def hook(self) -> SlurmHook:
@@ -247,11 +267,14 @@ class SlurmSubmitOperator(BaseOperator):
     def _trigger(self):
         from hybridflow.triggers.slurm import SlurmJobTrigger
 
+        watch = self.stall_watch
+        stall = {} if watch is None else {
+            "heartbeat_dir": self.heartbeat_dir, "stall_timeout_s": watch.timeout_s, "stall_floor_s": watch.floor_s,
+            "stall_factor": watch.factor, "stall_warm_up_steps": watch.warm_up_steps}
         return SlurmJobTrigger(
             job_id=self.job_id, ssh_conn_id=self.ssh_conn_id, requeue_enabled=self.requeue,
             max_requeues=self.max_requeues, poll_interval_s=self.poll_interval_s,
-            reconnect_budget_s=self.reconnect_budget_s, progress_path=self.progress_path,
-            heartbeat_dir=self.heartbeat_dir if self.stall_timeout_s else "", stall_timeout_s=self.stall_timeout_s,
+            reconnect_budget_s=self.reconnect_budget_s, progress_path=self.progress_path, **stall,
             world_size=whole_number(self.nodes, "nodes") * max(whole_number(self.ranks_per_node, "ranks_per_node"), 1),
             end_marker_dir=self.log_dir, recovery_log=self._recovery_log(),
             log_lines=self._recovery_config.log_lines, log_tail_lines=self.log_tail_lines,

@@ -113,8 +113,9 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
         kwargs.setdefault("progress_path", run.progress)
         # the stall watch: every rank's heartbeat under the run directory; py-spy beside the job's interpreter
         kwargs.setdefault("heartbeat_dir", run.heartbeats)
-        kwargs.setdefault("stall_timeout_s", pipeline_config().recovery.stall_timeout_s)
-        kwargs.setdefault("max_stall_restarts", pipeline_config().recovery.max_stall_restarts)
+        recovery = pipeline_config().recovery
+        for key in ("stall_timeout_s", "stall_floor_s", "stall_factor", "stall_warm_up_steps", "max_stall_restarts"):
+            kwargs.setdefault(key, getattr(recovery, key))
         kwargs.setdefault("py_spy", f"{python.rsplit('/', 1)[0]}/py-spy" if "/" in python else "py-spy")
         kwargs.setdefault("ranks_per_node", kwargs.get("gpus_per_node", 1))
         kwargs.setdefault("hide_gpus_without_gres", True)  # the CPU placement trains on CPUs, whatever the node has
@@ -176,7 +177,7 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
             raise TypeError(f"run_config must be a JSON object, got {type(run_config).__name__}")
         self.hook.run(["mkdir", "-p", "--", self.run_dir])
         self._context = context
-        job_config = {**run_config, "run_dir": self.run_dir}
+        job_config = {**run_config, "run_dir": self.run_dir, **self._collective_timeout(run_config)}
         tracking = self._start_tracking(context, run_config)
         if tracking is not None:
             job_config["tracking"] = tracking
@@ -186,6 +187,18 @@ class DeepSpeedTrainingOperator(GenerationSlurmSubmitOperator):
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict:
         self._context = context
         return super().execute_complete(context, event)
+
+    def _collective_timeout(self, run_config: Mapping[str, Any]) -> dict[str, float]:
+        """``collective_timeout_s`` above the stall watch's longest deadline (gloo and NCCL alike: every process
+        group's), so the watch finds and names a hung rank before a collective fails the job unnamed."""
+        watch = self.stall_watch
+        given = run_config.get("collective_timeout_s")
+        if watch is None or (isinstance(given, int | float) and given >= watch.collective_timeout_s):
+            return {}
+        if given is not None:
+            self.log.info("collective_timeout_s raised from %s to %g s: above the stall watch's stall_timeout_s=%g",
+                          given, watch.collective_timeout_s, watch.timeout_s)
+        return {"collective_timeout_s": watch.collective_timeout_s}
 
     # --- MLflow ---------------------------------------------------------------------------------------------
 

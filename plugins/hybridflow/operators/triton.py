@@ -17,6 +17,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink, conf
 
 from hybridflow.config import ReleaseConfig, ServingConfig
 from hybridflow.exceptions import ConfigError, ModelRolledBack, TritonError
+from hybridflow.utils.release import FAIL, HOLD, Verdict, judge_gate
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -45,7 +46,8 @@ def serving_kwargs(serving: ServingConfig) -> dict[str, Any]:
 def deploy_kwargs(serving: ServingConfig) -> dict[str, Any]:
     """:class:`TritonDeployOperator`'s arguments from the ``serving:`` section, the gate included."""
     return {**serving_kwargs(serving), "slo_p99_ms": serving.slo_p99_ms, "concurrency": serving.gate_concurrency,
-            "gate_requests": serving.gate_requests, "release": serving.release}
+            "gate_requests": serving.gate_requests, "gate_warmup_requests": serving.gate_warmup_requests,
+            "release": serving.release}
 
 
 def run_sync(coro):
@@ -261,9 +263,10 @@ class TritonServingOperator(BaseOperator):
             self.serve_versions(n_features, (version,))
         self.mark(version, VersionStatus.PROMOTED)
 
-    def retire_version(self, version: int, previous: int | None, n_features: int, reason: str) -> None:
+    def retire_version(self, version: int, previous: int | None, n_features: int, reason: str,
+                       mark: bool = True) -> None:
         """``previous`` alone serves again (nothing when nothing served before): routed first, so from now on no
-        unversioned request reaches ``version``; then ``version`` is unloaded and marked rolled back."""
+        unversioned request reaches ``version``; then ``version`` is unloaded and (``mark``) marked rolled back."""
         from hybridflow.utils.triton import VersionStatus
 
         self.route_to(previous)
@@ -271,7 +274,7 @@ class TritonServingOperator(BaseOperator):
             self.hook.unload_model(self.model_name)
         elif previous != version:
             self.serve_versions(n_features, (previous,))
-        if previous != version:
+        if previous != version and mark:
             self.mark(version, VersionStatus.ROLLED_BACK, reason)
 
 
@@ -320,7 +323,8 @@ class TritonDeployOperator(TritonServingOperator):
     :param model_uri: the registry version it is (``models:/<name>/<N>``, templated), kept in the Triton version's
         record so a served version leads back to its registry version and run.
     :param slo_p99_ms: the latency budget of one request at p99.
-    :param concurrency: requests in flight during the latency gate; ``gate_requests`` how many in all.
+    :param concurrency: requests in flight during the latency gate; ``gate_requests`` how many in all, the first
+        ``gate_warmup_requests`` of them left out of the percentiles.
     :param release: how the version meets real traffic (:class:`~hybridflow.config.ReleaseConfig`).
     :param deferrable: wait for readiness in the triggerer instead of holding a worker slot (default: Airflow's
         ``[operators] default_deferrable``).
@@ -338,6 +342,7 @@ class TritonDeployOperator(TritonServingOperator):
         slo_p99_ms: float = ServingConfig.slo_p99_ms,
         concurrency: int = ServingConfig.gate_concurrency,
         gate_requests: int = ServingConfig.gate_requests,
+        gate_warmup_requests: int = ServingConfig.gate_warmup_requests,
         release: ReleaseConfig | None = None,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
         **kwargs,
@@ -351,6 +356,7 @@ class TritonDeployOperator(TritonServingOperator):
         self.slo_p99_ms = slo_p99_ms
         self.concurrency = concurrency
         self.gate_requests = gate_requests
+        self.gate_warmup_requests = gate_warmup_requests
         self.deferrable = deferrable
 
     def validate(self) -> None:
@@ -371,6 +377,10 @@ class TritonDeployOperator(TritonServingOperator):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{key} is {value!r}; give a positive integer")
+        warmup = self.gate_warmup_requests
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or not 0 <= warmup < self.gate_requests:
+            raise ConfigError(f"gate_warmup_requests is {warmup!r}; give a whole number from 0 to gate_requests - 1 "
+                              f"({self.gate_requests - 1})")
         self.release.validate("release")
         if self.release.strategy == "progressive" and self.hook.guard_url is None:
             raise ConfigError(f"release.strategy is progressive but connection {self.triton_conn_id!r} names no "
@@ -477,7 +487,7 @@ class TritonDeployOperator(TritonServingOperator):
             "reused_version": carry["reused_version"], "sha256": carry["sha256"], "repository": self.repo.uri,
             "model_uri": carry.get("model_uri", ""),
             "status_url": self.status_url, "slo_p99_ms": self.slo_p99_ms, "load_s": None, "smoke": None,
-            "latency": None, "reason": None,
+            "latency": None, "release": None, "reason": None,
         }
         if event["status"] == "restarted":
             return self._server_went_away(context, report, carry, event["message"])
@@ -502,20 +512,60 @@ class TritonDeployOperator(TritonServingOperator):
             return self._roll_back(context, report, carry, (
                 f"smoke test failed: max abs error {smoke.max_abs_error:.3g} over {smoke.rows} rows is above "
                 f"atol {smoke.atol:g} (the outputs differ from those computed at export)"), retryable=False)
-        latency = self.hook.measure_latency(self.model_name, version, smoke_set.inputs, concurrency=self.concurrency,
-                                            requests=self.gate_requests)
-        report["latency"] = latency.to_dict()
-        # A server shutting down still answers for a while (it drains its connections): failed or slow requests
-        # may be that, not the version, and what the version proved there does not outlive the restart.
-        self.hook.check_server()
-        breach = latency.breach(self.slo_p99_ms)
-        if breach:
-            return self._roll_back(context, report, carry, f"latency gate failed: {breach}", retryable=True)
+        verdict = self._latency_gate(report, version, previous, smoke_set.inputs)
+        if verdict.outcome == HOLD:
+            reason = f"latency gate held: {'; '.join(verdict.reasons)}"
+            self._alert_held(context, f"{self.model_name} version {version}: {reason}; retrying", verdict.checks)
+            return self._roll_back(context, report, carry, f"{reason}; retrying", retryable=True, held=True)
+        if verdict.outcome == FAIL:
+            # Retried: the gate measures again (a machine busy for a while passes the next time).
+            return self._roll_back(context, report, carry, f"latency gate failed: {'; '.join(verdict.reasons)}; "
+                                   "retrying", retryable=True)
 
         if self.release.strategy == "progressive" and previous not in (None, version) and self.release_steps():
             report["release"] = {"strategy": "progressive", "steps": [], "no_traffic": False}
             return self._start_step(context, report, carry, 0)
         return self._finish(context, report, carry)
+
+    def _latency_gate(self, report: dict, version: int, previous: int | None, rows) -> Verdict:
+        """``gate_requests`` on the new version; where a version serves, the same load on it at the same time, so
+        the machine's load weighs on both alike (utils/release.py ``judge_gate``)."""
+        beside = previous not in (None, version)
+        # Beside: the same requests in flight in all as alone, half on each version.
+        measured = self.hook.measure_latencies(
+            self.model_name, [version, previous] if beside else [version], rows,
+            concurrency=max(1, self.concurrency // 2) if beside else self.concurrency,
+            requests=self.gate_requests, warmup=self.gate_warmup_requests, confidence=self.release.confidence)
+        (latency, candidate_ms), baseline = measured[0], (measured[1] if beside else None)
+        report["latency"] = latency.to_dict()
+        # A server shutting down still answers for a while (it drains its connections): failed or slow requests
+        # may be that, not the version, and what the version proved there does not outlive the restart.
+        self.hook.check_server()
+        verdict = judge_gate(candidate_ms, latency.failed, self.slo_p99_ms, self.release,
+                             *((baseline[1], baseline[0].failed) if baseline else ()))
+        if baseline:
+            report["latency"]["baseline"] = {"version": previous, **baseline[0].to_dict()}
+        report["latency"]["decision"] = f"{verdict.outcome}: {latency.explain()}; " + "; ".join(verdict.checks)
+        self.log.info("Latency gate of %s version %s%s: %s", self.model_name, version,
+                      f" beside version {previous} under the same load" if beside else "", verdict.outcome)
+        for line in (latency.explain(), *(["serving version: " + baseline[0].explain()] if baseline else []),
+                     *verdict.checks):
+            self.log.info("  %s", line)
+        return verdict
+
+    def _alert_held(self, context: Context, message: str, details: Sequence[str]) -> None:
+        """On-call hears of a judgement held for the machine (best effort: never fails the task itself)."""
+        from hybridflow.config import pipeline_config
+        from hybridflow.notifiers.oncall import RELEASE_HELD, OnCallNotifier, build_alert
+
+        alerts, ti = pipeline_config().alerts, context["ti"]
+        try:
+            OnCallNotifier(sink_conn_id=alerts.sink_conn_id or None, dedup_window_s=alerts.dedup_window_s).send(
+                build_alert(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, try_number=ti.try_number,
+                            error=message, remote_log_tail="\n".join(details), log_lines=alerts.log_lines,
+                            kind=RELEASE_HELD))
+        except Exception as exc:  # noqa: BLE001 - the task's own failure still says it
+            self.log.warning("could not send the on-call alert (%s)", exc)
 
     def _finish(self, context: Context, report: dict, carry: dict) -> dict:
         """Every check passed: promote, or (``approval: ask``, a version serving beside) hold for a person."""
@@ -525,7 +575,8 @@ class TritonDeployOperator(TritonServingOperator):
 
     def _hold(self, context: Context, report: dict, carry: dict) -> dict:
         """Leave the release where its last step put it (both versions loaded) for the approval task."""
-        release = report.setdefault("release", {"strategy": self.release.strategy, "steps": [], "no_traffic": False})
+        release = report["release"] = report.get("release") or {"strategy": self.release.strategy, "steps": [],
+                                                                 "no_traffic": False}
         release["awaiting_approval"] = True
         report["reason"] = "awaiting approval"
         steps = release["steps"]
@@ -590,10 +641,14 @@ class TritonDeployOperator(TritonServingOperator):
         verdict = event.get("verdict") or {}
         report["release"]["steps"].append({"mode": mode, "share": share, "outcome": event["status"],
                                            "seconds": event.get("seconds"), "figures": verdict.get("figures", {}),
-                                           "reasons": verdict.get("reasons", [])})
+                                           "reasons": verdict.get("reasons", []),
+                                           "checks": verdict.get("checks", [])})
         label, status = step_label(mode, share), event["status"]
         self.log.info("%s version %s, %s: %s (%s); figures %s", self.model_name, carry["version"], label, status,
                       event["message"], verdict.get("figures", {}))
+        for line in verdict.get("checks", []):
+            self.log.info("  %s: %s", label, line)
+        report["release"]["decision"] = f"{label} {status}: " + "; ".join(verdict.get("checks") or [event["message"]])
         if status == "pass":
             if index + 1 < len(self.release_steps()):
                 return self._start_step(context, report, carry, index + 1)
@@ -610,6 +665,8 @@ class TritonDeployOperator(TritonServingOperator):
         if status == "no_traffic":
             return self._roll_back(context, report, carry, f"{label}: too little traffic to judge ({event['message']}; "
                                    "serving.release.no_traffic: fail)", retryable=False)
+        if status == "held":
+            return self._held(context, report, carry, f"{label} held: {event['message']}")
         if status == "superseded":
             report["reason"] = event["message"]
             context["ti"].xcom_push(key=XCOM_REPORT, value=report)
@@ -618,15 +675,28 @@ class TritonDeployOperator(TritonServingOperator):
                                     f"release now; nothing was changed. Runbook: {self.runbook}"))
         return self._roll_back(context, report, carry, f"{label}: {event['message']}", retryable=True)
 
+    def _held(self, context: Context, report: dict, carry: dict, reason: str) -> dict:
+        """Both versions broke the same absolute limit: the machine, not the candidate. Nothing is rolled back or
+        marked; on-call hears of it and the task fails to be retried (a retry starts the release again from its
+        gates, once the machine recovers)."""
+        report["reason"] = reason
+        context["ti"].xcom_push(key=XCOM_REPORT, value=report)
+        message = (f"{self.model_name} version {carry['version']} is held, not rolled back: {reason}. Version "
+                   f"{carry['previous_version']} serves the rest; the task will be retried. Runbook: {self.runbook}")
+        self.log.error("%s", message)
+        self._alert_held(context, message, report["release"]["steps"][-1]["checks"])
+        raise TritonError(message)
+
     def _roll_back(self, context: Context, report: dict, carry: dict, reason: str, retryable: bool,
-                   restarted: bool = False) -> dict:
+                   restarted: bool = False, held: bool = False) -> dict:
+        """``held``: the machine's fault, not the version's: unloaded as in a rollback but not marked rolled back."""
         from hybridflow.hooks.triton import ServerUnavailable
 
         version, previous = carry["version"], carry["previous_version"]
         report["reason"] = reason
         self.log.error("Rolling back %s version %s: %s", self.model_name, version, reason)
         try:
-            self.retire_version(version, previous, carry["n_features"], reason)
+            self.retire_version(version, previous, carry["n_features"], reason, mark=not held)
         except ServerUnavailable as exc:
             if restarted:
                 context["ti"].xcom_push(key=XCOM_REPORT, value=report)
@@ -644,8 +714,9 @@ class TritonDeployOperator(TritonServingOperator):
             still = f"unknown, {exc}"
         context["ti"].xcom_push(key=XCOM_REPORT, value=report)
         serving = f"version {previous} keeps serving" if previous is not None else "nothing was serving before"
+        what = "was unloaded, not marked rolled back (held for the machine)" if held else "was rolled back"
         error = ModelRolledBack(
-            f"{self.model_name} version {version} was rolled back: {reason}. {serving} (READY now: {still}). "
+            f"{self.model_name} version {version} {what}: {reason}. {serving} (READY now: {still}). "
             f"Figures: {self._figures(report)}. Runbook: {self.runbook}", report)
         raise error if retryable else final(error)
 

@@ -117,7 +117,10 @@ def deploy_tags(report: Mapping[str, Any], at: str) -> dict[str, str]:
         f"p99 {latency['p99_ms']:.1f} ms (SLO {report.get('slo_p99_ms')} ms)"
         if isinstance(latency.get("p99_ms"), int | float) else "") if part)
     outcome = "promoted" if report.get("promoted") else f"rolled back: {report.get('reason') or 'no reason given'}"
-    summary = f"{at}: Triton {model} version {version} {outcome}" + (f"; {figures}" if figures else "")
+    decisions = [part for part in ((latency.get("decision") and f"gate {latency['decision']}"),
+                                   ((report.get("release") or {}).get("decision"))) if part]
+    summary = (f"{at}: Triton {model} version {version} {outcome}" + (f"; {figures}" if figures else "")
+               + "".join(f". {decision}" for decision in decisions))
     return {"hybridflow.triton_model": clip(model), "hybridflow.triton_version": clip(version),
             "hybridflow.deploy": clip(summary)}
 

@@ -7,11 +7,12 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator
+from functools import cached_property
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from hybridflow.config import ClusterConfig
+from hybridflow.config import ClusterConfig, RecoveryConfig
 from hybridflow.exceptions import SlurmConnectionError, SlurmConnectionLost
 from hybridflow.hooks.slurm import SlurmAsyncHook
 from hybridflow.utils.progress import describe_progress
@@ -25,8 +26,8 @@ class SlurmJobTrigger(BaseTrigger):
     Polls the job (scontrol, then sacct once the controller forgot it) with a backoff that restarts whenever
     the state changes, follows it through requeues, logs its progress file, and yields exactly one event:
     ``{"status": "success"|"failed"|"error", ...}`` with the job's state, exit code, elapsed time and TRES, or
-    ``{"status": "stalled", "stall": ...}`` when the stall watch is on (``heartbeat_dir``) and no rank of the running
-    job progressed for ``stall_timeout_s`` (see :mod:`hybridflow.utils.stalls`); the operator decides what then.
+    ``{"status": "stalled", "stall": ...}`` when the stall watch is on (``heartbeat_dir``) and the running job's ranks
+    are past their progress deadlines (see :mod:`hybridflow.utils.stalls`); the operator decides what then.
 
     :param job_id: the Slurm job to follow.
     :param ssh_conn_id: connection to the login node.
@@ -36,7 +37,9 @@ class SlurmJobTrigger(BaseTrigger):
     :param reconnect_budget_s: how long SSH may stay unreachable before the trigger gives up (the job runs on).
     :param progress_path: the job's progress JSON on the cluster, logged at most every ``progress_every_s``.
     :param heartbeat_dir: the ranks' heartbeat files on the cluster ("" turns the stall watch off); read while the
-        job runs, at most every ``stall_timeout_s / 4`` seconds (file reads only: no load on slurmctld).
+        job runs, every quarter of the shortest deadline, at most 30 s apart (file reads only: no load on slurmctld).
+    :param stall_timeout_s: the longest progress deadline (0: no watch); ``stall_floor_s``, ``stall_factor`` and
+        ``stall_warm_up_steps`` the deadline of a training rank (:class:`~hybridflow.utils.stalls.StallWatch`).
     :param world_size: the job's ranks (one that never reported is among the stopped).
     :param end_marker_dir: where the job's batch shell marks its end (the job's log dir; "" when it does not):
         while the job runs the trigger waits on that file instead of sleeping (:class:`EndWatch`), so a job's end is
@@ -59,6 +62,9 @@ class SlurmJobTrigger(BaseTrigger):
         progress_every_s: float = 30.0,
         heartbeat_dir: str = "",
         stall_timeout_s: float = 0.0,
+        stall_floor_s: float = RecoveryConfig.stall_floor_s,
+        stall_factor: float = RecoveryConfig.stall_factor,
+        stall_warm_up_steps: int = RecoveryConfig.stall_warm_up_steps,
         world_size: int = 1,
         end_marker_dir: str = "",
         recovery_log: str = "",
@@ -77,6 +83,9 @@ class SlurmJobTrigger(BaseTrigger):
         self.progress_every_s = progress_every_s
         self.heartbeat_dir = heartbeat_dir
         self.stall_timeout_s = stall_timeout_s
+        self.stall_floor_s = stall_floor_s
+        self.stall_factor = stall_factor
+        self.stall_warm_up_steps = stall_warm_up_steps
         self.world_size = world_size
         self.end_marker_dir = end_marker_dir
         self.recovery_log = recovery_log
@@ -99,6 +108,9 @@ class SlurmJobTrigger(BaseTrigger):
                 "progress_every_s": self.progress_every_s,
                 "heartbeat_dir": self.heartbeat_dir,
                 "stall_timeout_s": self.stall_timeout_s,
+                "stall_floor_s": self.stall_floor_s,
+                "stall_factor": self.stall_factor,
+                "stall_warm_up_steps": self.stall_warm_up_steps,
                 "world_size": self.world_size,
                 "end_marker_dir": self.end_marker_dir,
                 "recovery_log": self.recovery_log,
@@ -199,19 +211,28 @@ class SlurmJobTrigger(BaseTrigger):
         if not wait.marker:
             await asyncio.sleep(wait.seconds)
             return
-        window = min(wait.seconds, self._stall_check_every_s()) if self.heartbeat_dir else wait.seconds
+        stall_watch = self._stall_watch
+        window = min(wait.seconds, stall_watch.check_every_s) if stall_watch else wait.seconds
         try:
             if await hook.wait_for_file(wait.marker, window):
                 watch.marker_seen(status)
         except SlurmConnectionLost:
             pass  # the next status poll reconnects within the budget, or fails clearly
 
-    def _stall_check_every_s(self) -> float:
-        return min(self.stall_timeout_s / 4, 30.0)
+    @cached_property
+    def _stall_watch(self):
+        """The watch's settings, or None when it is off (no heartbeat dir, or ``stall_timeout_s`` 0)."""
+        from hybridflow.utils.stalls import StallWatch
+
+        if not self.heartbeat_dir:
+            return None
+        return StallWatch.from_settings({"stall_timeout_s": self.stall_timeout_s, "stall_floor_s": self.stall_floor_s,
+                                         "stall_factor": self.stall_factor,
+                                         "stall_warm_up_steps": self.stall_warm_up_steps})
 
     def _stall_watch_due(self, status, last_check: float) -> bool:
-        return bool(self.heartbeat_dir and self.stall_timeout_s > 0 and status.state == "RUNNING"
-                    and time.monotonic() - last_check >= self._stall_check_every_s())
+        watch = self._stall_watch
+        return bool(watch and status.state == "RUNNING" and time.monotonic() - last_check >= watch.check_every_s)
 
     async def _find_stall(self, hook: SlurmAsyncHook, status):
         from hybridflow.utils.stalls import find_stall, parse_heartbeats, read_heartbeats_argv
@@ -225,7 +246,7 @@ class SlurmJobTrigger(BaseTrigger):
             return None
         return find_stall(beats, now=now, job_id=self.job_id, restarts=status.restarts,
                           running_s=status.elapsed_s or 0.0, world_size=self.world_size,
-                          timeout_s=self.stall_timeout_s)
+                          watch=self._stall_watch)
 
     async def _log_progress(self, hook: SlurmAsyncHook) -> None:
         try:

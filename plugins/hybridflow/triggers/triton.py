@@ -142,11 +142,14 @@ class TritonReleaseStepTrigger(BaseTrigger):
     """
     Judges one step of a progressive release (shadow, or a canary share) from the guard's figures of each version
     since the step's release ``generation`` began. Yields exactly one event:
-    ``{"status": "pass"|"fail"|"no_traffic"|"superseded"|"error", "verdict", "seconds", "message", "carry"}``.
+    ``{"status": "pass"|"fail"|"held"|"no_traffic"|"superseded"|"error", "verdict", "seconds", "message",
+    "carry"}``.
 
     ``pass``: both versions answered ``min_requests`` and the candidate stays within every threshold, after at
     least ``min_window_s``. ``fail``: a threshold is broken (judged as soon as there are enough requests).
-    ``no_traffic``: fewer requests than needed after ``timeout_s`` (None: wait without limit). ``superseded``: the
+    ``held``: after ``timeout_s``, the stable version still broke the same absolute limit as the candidate (the
+    machine, not the candidate). ``no_traffic``: fewer requests (or latencies for a percentile) than needed after
+    ``timeout_s`` (None: wait without limit). ``superseded``: the
     release was changed or cleared by someone else (an on-call rollback). ``error``: the guard did not answer
     for ``timeout_s``.
 
@@ -188,7 +191,7 @@ class TritonReleaseStepTrigger(BaseTrigger):
         yield TriggerEvent(await self.wait())
 
     async def wait(self) -> dict[str, Any]:
-        from hybridflow.utils.release import FAIL, PASS, StepThresholds, VersionFigures, judge
+        from hybridflow.utils.release import FAIL, HOLD, PASS, StepThresholds, VersionFigures, judge
 
         hook = TritonHook(self.triton_conn_id)
         thresholds = StepThresholds(**self.thresholds)
@@ -213,17 +216,20 @@ class TritonReleaseStepTrigger(BaseTrigger):
                                                   f"(generation {self.generation} -> "
                                                   f"{(figures or {}).get('generation', 'cleared')}: {now})")
             else:
-                verdict = judge(VersionFigures(**figures["stable"]), VersionFigures(**figures["candidate"]),
-                                thresholds)
+                # Off the event loop: the bounds sort thousands of latencies.
+                verdict = await asyncio.to_thread(judge, VersionFigures(**figures["stable"]),
+                                                  VersionFigures(**figures["candidate"]), thresholds)
                 if verdict.outcome == FAIL:
                     return self._event("fail", "; ".join(verdict.reasons), verdict)
                 if verdict.outcome == PASS and elapsed >= self.min_window_s:
                     return self._event("pass", "within every threshold", verdict)
                 if verdict.outcome != PASS and self.timeout_s is not None and elapsed > self.timeout_s:
-                    return self._event("no_traffic", f"{verdict.reasons[0]} after {elapsed:.0f} s", verdict)
+                    # Still held when time is up: the machine broke the limits for both versions all along.
+                    status = "held" if verdict.outcome == HOLD else "no_traffic"
+                    return self._event(status, f"{'; '.join(verdict.reasons)} after {elapsed:.0f} s", verdict)
             await asyncio.sleep(self.poll_interval_s)
 
     def _event(self, status: str, message: str, verdict=None) -> dict[str, Any]:
-        verdict = {**verdict.as_dict(), "reasons": list(verdict.reasons)} if verdict else None
+        verdict = verdict.as_dict() if verdict else None
         return {"status": status, "message": message, "verdict": verdict,
                 "seconds": round(time.time() - self.started_at, 1), "carry": self.carry}

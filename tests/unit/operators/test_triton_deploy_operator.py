@@ -183,14 +183,16 @@ def test_latency_percentile_is_nearest_rank():
         percentile([], 50)
 
 
-def test_latency_summary_and_gate_verdict():
-    summary = summarize([0.001] * 98 + [0.060, 0.070], wall_s=0.5, concurrency=4)
-    assert (summary.requests, summary.p50_ms, summary.p99_ms, summary.throughput_rps) == (100, 1.0, 60.0, 200.0)
-    assert summary.breach(50) == "p99 60.00 ms is over the SLO of 50 ms"
-    assert summary.breach(100) is None
-    failing = summarize([0.001] * 9, wall_s=1, concurrency=1, failed=1)
-    assert failing.breach(50) == "1 of 10 requests failed"
-    assert summarize([], wall_s=1, concurrency=1).breach(50) == "no request was measured"
+def test_latency_summary_leaves_the_warm_up_out_and_bounds_the_p99():
+    summary = summarize([0.5] * 20 + [0.001] * 370 + [0.060] * 10, wall_s=2, concurrency=4, warmup=20)
+    assert (summary.requests, summary.measured, summary.warmup, summary.p50_ms, summary.p99_ms) == \
+        (400, 380, 20, 1.0, 60.0)
+    assert (summary.p99_low_ms, summary.p99_high_ms) == (60.0, 60.0)
+    assert summary.explain() == "p99 60.00 ms of 380 requests after 20 warm-up; 95% bounds [60.00, 60.00] ms"
+    few = summarize([0.001] * 98 + [0.060, 0.070], wall_s=0.5, concurrency=4)
+    assert (few.requests, few.p50_ms, few.p99_ms, few.throughput_rps) == (100, 1.0, 60.0, 200.0)
+    assert (few.p99_low_ms, few.p99_high_ms) == (1.0, None)  # 100 samples bound no p99 from above
+    assert summarize([], wall_s=1, concurrency=1, failed=3).p99_ms is None
 
 
 def write_export(directory: Path, n: int = 3, **smoke_changes) -> Path:
@@ -295,6 +297,12 @@ def test_serving_config_checked_in_section_loads():
         ("max_queue_delay_us", -1, "pipeline.serving.max_queue_delay_us: -1; expected >= 0"),
         ("instance_count", "two", "pipeline.serving.instance_count: expected int, got str 'two'"),
         ("gate_seconds", 5, "pipeline.serving: unknown key(s) gate_seconds"),
+        ("gate_requests", 200, "pipeline.serving.gate_requests: 200 with gate_warmup_requests 20; the gate's "
+                               "percentiles need 368 measured requests for their 95% bounds: give gate_requests >= "
+                               "388"),
+        ("gate_warmup_requests", 150, "gate_requests: 400 with gate_warmup_requests 150;"),
+        ("gate_warmup_requests", -1, "gate_requests: 400 with gate_warmup_requests -1;"),
+        ("gate_warmup_requests", "20", "pipeline.serving.gate_warmup_requests: expected int, got str '20'"),
     ],
 )
 def test_serving_config_mistakes_name_the_key(tmp_path, key, value, message):
@@ -312,6 +320,10 @@ def test_serving_config_mistakes_name_the_key(tmp_path, key, value, message):
     [
         ({"slo_p99_ms": 0}, "slo_p99_ms is 0; give the p99 budget in milliseconds"),
         ({"concurrency": 0}, "concurrency is 0; give a positive integer"),
+        ({"gate_warmup_requests": 400}, "gate_warmup_requests is 400; give a whole number from 0 to gate_requests"),
+        ({"gate_warmup_requests": -1}, "gate_warmup_requests is -1; give a whole number from 0"),
+        ({"gate_warmup_requests": 2.5}, "gate_warmup_requests is 2.5; give a whole number"),
+        ({"gate_warmup_requests": True}, "gate_warmup_requests is True; give a whole number"),
         ({"model_name": "../up"}, "model_name '../up'"),
         ({"repository": "relative"}, "a local repository must be an absolute path"),
         ({"readiness_timeout_s": 0}, "readiness_timeout_s is 0"),

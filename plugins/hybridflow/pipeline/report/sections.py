@@ -137,6 +137,8 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
         ("latency_p99_ms", "latency.p99_ms", "Latency p99", "number", "ms"),
         ("latency_throughput_rps", "latency.throughput_rps", "Throughput", "number", "req/s"),
         ("latency_failed", "latency.failed", "Failed requests", "count", None),
+        ("latency_decision", "latency.decision", "Latency gate decision", "text", None),
+        ("release_decision", "release.decision", "Last release step decision", "text", None),
     )),
 }
 
@@ -155,7 +157,8 @@ NOT_MEASURED_WHEN_NONE: dict[str, dict[tuple[str, ...], str]] = {
                  ("allreduce_share_in_job",): "one rank all-reduces no gradients",
                  ("time_split",): f"the job wrote no time split (time_split_s in {METRICS_FILE})"},
     "evaluation": {("champion", key): "no champion (first model)" for key in ("auc", "log_loss", "version")},
-    "deploy": {("previous_version",): "no previous version (first deploy)"},
+    "deploy": {("previous_version",): "no previous version (first deploy)",
+               ("release", "decision"): "no release steps (first deploy, or serving.release.strategy: direct)"},
     "record": {("model_version",): "no model was registered (the evaluation did not run)",
                ("model_uri",): "no model was registered (the evaluation did not run)",
                ("promoted",): "no model was registered (the evaluation did not run)"},
