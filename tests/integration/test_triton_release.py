@@ -229,6 +229,55 @@ def test_progressive_deploys_roll_back_a_shifted_and_a_slow_candidate_and_promot
     assert len(events) > 500
 
 
+def test_a_step_where_both_versions_break_the_slo_is_held_not_rolled_back(run_dag, stack, repository, tmp_path,
+                                                                           client_loop):
+    """The machine, not the candidate: the serving version and the candidate both sleep 60 ms a request (over the
+    step's 50 ms SLO, neither slower than the other). The canary step ends held: the task fails naming the
+    machine, on-call gets a ``release_held`` alert with the step's figures, and the candidate is not marked rolled
+    back (a retry may release it once the machine recovers)."""
+    from dataclasses import replace
+
+    from hybridflow.notifiers.oncall import default_alerts_file
+
+    model = f"t_held_{uuid.uuid4().hex[:8]}"
+    repo = LocalModelRepository(Repository.parse(repository))
+    hook = TritonHook("triton_default")
+    try:
+        stable = publish_slow_version(repository, model, make_export(tmp_path / "v1", 1), sleep_ms=60)
+        repo.write_record(model, replace(repo.records(model)[stable], status=VersionStatus.PROMOTED))
+        candidate_export = make_export(tmp_path / "v2", 1, kind="close", variant=1)
+        assert publish_slow_version(repository, model, candidate_export, sleep_ms=60) == 2
+        publish_and_serve(repository, model, {}, serve=(1,))
+        hook.set_release(model, 1)
+        loop = client_loop(model)
+        dag_id = f"t_held_{uuid.uuid4().hex[:6]}"
+        release = {**RELEASE, "shadow_s": 0, "canary_steps": [50, 100], "min_requests": 30, "max_p99_ms": 50,
+                   "step_timeout_s": 30}
+        # the gate's own SLO wide: the step is under test
+        result = run_dag(deploy_dag(dag_id, candidate_export, model, repository, release=release, slo_p99_ms=5000,
+                                    gate_requests=60, gate_warmup_requests=0),
+                         dag_id)
+        loop, events = None, loop.stop()
+        assert not [e for e in events if e[3]], "a client request failed"
+        assert result["state"] == "failed"
+        report = result["tasks"]["deploy"]["xcom"]["deploy_report"]
+        [step] = report["release"]["steps"]
+        assert (step["share"], step["outcome"]) == (50, "held"), step
+        assert report["reason"].startswith("canary 50% held: p99 >= ") and "the machine is the problem" in \
+            report["reason"], report["reason"]
+        assert "is held, not rolled back" in result["log"]
+        assert any(line.startswith("hold: p99 >= ") for line in step["checks"]), step["checks"]
+        alerts = [json.loads(line) for line in default_alerts_file().read_text().splitlines()]
+        [alert] = [a for a in alerts if a["dag_id"] == dag_id and a["kind"] == "release_held"]
+        assert "the machine is the problem" in alert["error"] and "hold: p99 >= " in alert["log_tail"], alert
+        assert repo.records(model)[2].status is not VersionStatus.ROLLED_BACK
+    finally:
+        if locals().get("loop") is not None:
+            loop.stop()
+        hook.close()
+        remove_model(repository, model)
+
+
 def test_oncall_rollback_ends_a_canary_at_once_and_the_step_judging_it_stops(run_dag, stack, repository, tmp_path):
     """Mid-canary, the on-call DAG sends every unversioned request back to the stable version and unloads the
     candidate; the trigger judging the step reports the release changed under it (the deploy then stops)."""

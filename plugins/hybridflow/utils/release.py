@@ -9,7 +9,8 @@ size and confidence, never by one order statistic of a small sample:
   the stable version has the samples its upper bound needs (p99 at 95%: 368), else the step waits;
 - the absolute SLO (``max_p99_ms``) as a guard over both versions: the candidate fails it when its p99's lower
   bound is over it; when the stable version's is too, the machine is the problem and the step is held;
-- scores: mean shift, and PSI over the stable version's score deciles.
+- scores: mean shift, and PSI over the stable version's score deciles, each over its threshold and over what
+  chance gives two samples of that size (a PSI of 60 scores a side is 0.3 by chance alone).
 Pure: the trigger fetches the figures, this decides and says why in one line a check, with numbers.
 """
 
@@ -19,6 +20,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from statistics import NormalDist
 from typing import Any
 
 from hybridflow.exceptions import ConfigError
@@ -31,7 +33,9 @@ from hybridflow.utils.bounds import (
 from hybridflow.utils.latency import percentile
 
 PASS, FAIL, WAIT, HOLD = "pass", "fail", "wait", "hold"
-PSI_FLOOR = 1e-4  # an empty decile would make PSI infinite: count it as this share instead
+# Each bin's count plus this (Jeffreys' prior): an empty decile would make PSI infinite, and a floor share (1e-4)
+# made one empty bin of 60 scores worth PSI 0.7 by itself.
+PSI_PRIOR = 0.5
 MIN_BIN_WIDTH = 0.01  # score units (probabilities): the narrowest decile PSI compares over
 MIN_EDGES = 3  # PSI over fewer than 4 such bins says little: the mean shift judges alone
 SLO_QUANTILE = 99  # max_p99_ms is a p99 budget
@@ -90,6 +94,12 @@ class StepThresholds:
         """Each bound of a two-sample ratio at this, so that both hold together at ``confidence`` (Bonferroni)."""
         return (1 + self.confidence) / 2
 
+    @property
+    def score_confidence(self) -> float:
+        """What chance must not explain before the scores blame the candidate: ``confidence`` shared over the
+        step's five kinds of evidence (errors, latency ratios, the SLO, mean shift, PSI), Bonferroni: 99% at 95%."""
+        return 1 - (1 - self.confidence) / 5
+
     def samples_needed(self) -> dict[int, int]:
         """Stable latencies each judged percentile needs before its ratio can be bounded (p99 at 95%: 368)."""
         return {q: samples_for_upper_bound(q, self.side_confidence) for q in self.latency_quantiles}
@@ -129,7 +139,7 @@ def psi(expected: Sequence[float], actual: Sequence[float], edges: Sequence[floa
         counts = [0] * (len(edges) + 1)
         for value in sample:
             counts[bisect.bisect_right(edges, value)] += 1
-        return [max(count / len(sample), PSI_FLOOR) for count in counts]
+        return [(count + PSI_PRIOR) / (len(sample) + PSI_PRIOR * len(counts)) for count in counts]
 
     return sum((a - e) * math.log(a / e) for e, a in zip(shares(expected), shares(actual), strict=True))
 
@@ -190,22 +200,66 @@ def _check_latency(checks: _Checks, stable: Sequence[float], candidate: Sequence
                             f"{limits.max_latency_ratio:g} ({limits.confidence:.0%}: candidate p{q} >= "
                             f"{candidate_low:.1f} ms of {len(candidate)}, stable p{q} <= {stable_high:.1f} ms "
                             f"of {len(stable)})")
-    # The absolute SLO, over both versions: a breach on both is the machine's, not the candidate's.
+    # The absolute SLO, over both versions: the candidate is blamed only where the stable version is within it on
+    # the same machine; a breach on both is the machine's.
     candidate_low = quantile_lower_bound(candidate, SLO_QUANTILE, limits.confidence)
-    stable_low = quantile_lower_bound(stable, SLO_QUANTILE, limits.confidence)
     if candidate_low is None:
         return
+    stable_low = quantile_lower_bound(stable, SLO_QUANTILE, limits.confidence)
+    stable_high = quantile_upper_bound(stable, SLO_QUANTILE, limits.confidence)
     figures["p99_low_ms"] = round(candidate_low, 3)
-    line = (f"p99 >= {candidate_low:.1f} ms {'>' if candidate_low > limits.max_p99_ms else '<='} SLO "
-            f"{limits.max_p99_ms:g} ms ({limits.confidence:.0%} lower bound of {len(candidate)} samples; stable "
-            f"p99 {percentile(stable, SLO_QUANTILE) if stable else math.nan:.1f} ms)")
-    if candidate_low <= limits.max_p99_ms:
+    slo = limits.max_p99_ms
+    line = (f"p99 >= {candidate_low:.1f} ms {'>' if candidate_low > slo else '<='} SLO {slo:g} ms "
+            f"({limits.confidence:.0%} lower bound of {len(candidate)} samples; stable p99 "
+            f"{percentile(stable, SLO_QUANTILE) if stable else math.nan:.1f} ms of {len(stable)})")
+    if candidate_low <= slo:
         checks.add(PASS, line)
-    elif stable_low is not None and stable_low > limits.max_p99_ms:
+    elif stable_low is not None and stable_low > slo:
         checks.add(HOLD, f"{line}; the stable version's p99 >= {stable_low:.1f} ms is over it too: the machine is "
                          "the problem, not the candidate")
+    elif stable_high is not None and stable_high <= slo:
+        checks.add(FAIL, f"{line}; the stable version's p99 <= {stable_high:.1f} ms is within it")
     else:
-        checks.add(FAIL, line)
+        checks.add(WAIT, f"{line}; the stable version's p99 is neither surely within it nor surely over it: more "
+                         "samples tell the machine from the candidate")
+
+
+def chance_psi(bins: int, n_expected: int, n_actual: int, confidence: float) -> float:
+    """The PSI two samples of one distribution reach by chance at ``confidence``: PSI x n1 n2 / (n1 + n2) is about
+    chi-square with ``bins - 1`` degrees of freedom (its quantile by Wilson-Hilferty). 60 scores a side over 10
+    bins: 0.56; 1000: 0.034. Below it, a PSI is noise whatever ``max_psi`` says."""
+    dof = bins - 1
+    z = NormalDist().inv_cdf(confidence)
+    chi2 = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return chi2 * (1 / n_expected + 1 / n_actual)
+
+
+def _check_scores(checks: _Checks, baseline: Sequence[float], finite: Sequence[float], limits: StepThresholds,
+                  figures: dict[str, Any]) -> None:
+    """Mean shift and PSI, each failing only over its threshold and over what chance gives samples this size."""
+    n1, n2 = len(baseline), len(finite)
+    mean1, mean2 = sum(baseline) / n1, sum(finite) / n2
+    shift = abs(mean2 - mean1)
+    spread = math.sqrt(sum((v - mean1) ** 2 for v in baseline) / max(n1 - 1, 1) / n1
+                       + sum((v - mean2) ** 2 for v in finite) / max(n2 - 1, 1) / n2)
+    level = limits.score_confidence
+    shift_limit = max(limits.max_mean_shift, NormalDist().inv_cdf((1 + level) / 2) * spread)
+    edges = decile_edges(baseline)
+    # Fewer than 4 bins a hundredth wide: the stable scores bunch too tightly for a distribution to compare;
+    # the mean shift alone judges (a PSI there measures differences nobody acts on).
+    index = psi(baseline, finite, edges) if len(edges) >= MIN_EDGES else None
+    figures.update(mean_shift=round(shift, 6), psi=None if index is None else round(index, 6))
+    checks.add(FAIL if shift > shift_limit else PASS,
+               f"mean score shift {shift:.4f} {'>' if shift > shift_limit else '<='} {shift_limit:.4f} "
+               f"(max_mean_shift {limits.max_mean_shift:g}, or chance at {level:.0%} for {n2} vs {n1} "
+               "scores)")
+    if index is not None:
+        psi_limit = max(limits.max_psi, chance_psi(len(edges) + 1, n1, n2, level))
+        figures["psi_limit"] = round(psi_limit, 6)
+        checks.add(FAIL if index > psi_limit else PASS,
+                   f"PSI {index:.3f} {'>' if index > psi_limit else '<='} {psi_limit:.3f} over the stable version's "
+                   f"score deciles (max_psi {limits.max_psi:g}, or chance at {level:.0%} for {n2} vs "
+                   f"{n1} scores)")
 
 
 def judge(stable: VersionFigures, candidate: VersionFigures, limits: StepThresholds) -> Verdict:
@@ -233,19 +287,7 @@ def judge(stable: VersionFigures, candidate: VersionFigures, limits: StepThresho
         _check_errors(checks, "non-finite scores", (len(stable.scores) - len(baseline), len(stable.scores)),
                       (len(candidate.scores) - len(finite), len(candidate.scores)), limits)
     if finite and baseline:
-        shift = abs(sum(finite) / len(finite) - sum(baseline) / len(baseline))
-        edges = decile_edges(baseline)
-        # Fewer than 4 bins a hundredth wide: the stable scores bunch too tightly for a distribution to compare;
-        # the mean shift alone judges (a PSI there measures differences nobody acts on).
-        index = psi(baseline, finite, edges) if len(edges) >= MIN_EDGES else None
-        figures.update(mean_shift=round(shift, 6), psi=None if index is None else round(index, 6))
-        checks.add(FAIL if shift > limits.max_mean_shift else PASS,
-                   f"mean score shift {shift:.4f} {'>' if shift > limits.max_mean_shift else '<='} "
-                   f"{limits.max_mean_shift:g} ({len(finite)} vs {len(baseline)} scores)")
-        if index is not None:
-            checks.add(FAIL if index > limits.max_psi else PASS,
-                       f"PSI {index:.3f} {'>' if index > limits.max_psi else '<='} {limits.max_psi:g} over the "
-                       f"stable version's score deciles")
+        _check_scores(checks, baseline, finite, limits, figures)
     elif not finite:
         checks.add(FAIL, "no score to compare with the stable version's")
     return checks.verdict(figures)

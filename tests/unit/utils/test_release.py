@@ -23,6 +23,7 @@ from hybridflow.utils.release import (
     approval_answer,
     approval_request,
     canary_steps,
+    chance_psi,
     decile_edges,
     judge,
     judge_gate,
@@ -124,6 +125,9 @@ def test_both_versions_over_the_slo_hold_the_step_instead_of_blaming_the_candida
     assert judge(stable, figures(seed=2, median_ms=200), LIMITS).outcome == FAIL
     # a candidate over the SLO next to a stable version within it: the candidate's fault
     assert judge(STABLE, figures(seed=2, median_ms=40), LIMITS).reasons[-1].startswith("p99 >= ")
+    # next to a stable version that may or may not be over it: more samples before anyone is blamed
+    verdict = judge(figures(n=300, seed=1, median_ms=22), figures(n=300, seed=2, median_ms=25), LIMITS)
+    assert verdict.outcome == WAIT and "neither surely within it nor surely over it" in verdict.reasons[-1], verdict
 
 
 def test_errors_on_both_versions_hold_the_step():
@@ -134,6 +138,27 @@ def test_errors_on_both_versions_hold_the_step():
 def test_a_stable_version_without_traffic_keeps_the_step_waiting():
     verdict = judge(figures(n=10), figures(seed=2), LIMITS)
     assert verdict.outcome == WAIT and verdict.figures == {"requests": 1000, "stable_requests": 10}
+
+
+@pytest.mark.parametrize(("bins", "n1", "n2", "expected"), [(10, 60, 60, 0.563), (10, 1000, 1000, 0.0338),
+                                                           (10, 200, 50, 0.423), (4, 100, 100, 0.156)])
+def test_the_psi_chance_gives_two_samples_of_one_distribution(bins, n1, n2, expected):
+    assert chance_psi(bins, n1, n2, 0.95) == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_scores_of_one_model_on_small_samples_are_no_shift(seed):
+    """The benchmark's first finding: 50 to 120 scores a side of one model gave PSI 0.45 > max_psi 0.2 by chance
+    alone (a false rollback); 2000 of a model shifted by 0.05 still fail."""
+    draw = random.Random(seed)
+    n1, n2 = draw.randint(50, 120), draw.randint(50, 120)
+    stable = VersionFigures(n1, 0, latencies(n1, seed), scores(n1, 0.4, seed * 2))
+    candidate = VersionFigures(n2, 0, latencies(n2, seed + 1), scores(n2, 0.4, seed * 2 + 1))
+    verdict = judge(stable, candidate, StepThresholds(min_requests=50))
+    assert not [r for r in verdict.reasons if "PSI" in r or "mean score" in r], verdict
+    shifted = judge(VersionFigures(2000, 0, latencies(2000, 1), scores(2000, 0.4, 1)),
+                    VersionFigures(2000, 0, latencies(2000, 2), scores(2000, 0.48, 2)), StepThresholds())
+    assert shifted.outcome == FAIL and shifted.reasons[0].startswith("mean score shift 0.0"), shifted
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -174,7 +199,8 @@ def test_bunched_stable_scores_are_judged_by_the_mean_shift_alone():
     assert verdict.figures["mean_shift"] == pytest.approx(0.0017)
     moved = [score + 0.1 for score in bunched]  # a real shift still fails, on the mean
     verdict = judge(VersionFigures(1000, 0, latencies, bunched), VersionFigures(1000, 0, latencies, moved), LIMITS)
-    assert verdict.outcome == FAIL and verdict.reasons == ("mean score shift 0.1000 > 0.05 (1000 vs 1000 scores)",)
+    assert verdict.outcome == FAIL and verdict.reasons == (
+        "mean score shift 0.1000 > 0.0500 (max_mean_shift 0.05, or chance at 99% for 1000 vs 1000 scores)",)
 
 
 @pytest.mark.parametrize(("steps", "expected"), [
