@@ -7,20 +7,22 @@ on the same model, batch and data; prints the ratios and the GPU utilization (is
   training rows already on the device, bf16 autocast on CUDA (float32 on CPUs): rows/s over ``BENCH_GPU_STEPS``
   steps after a warm-up, then its holdout AUC after those steps (the same split and standardisation as the job).
 - The suite's training: ``jobs/train.py``'s own ``main`` in this process (one rank; zero0.json, precision auto,
-  batch ``BENCH_GPU_BATCH``, ``max_steps`` = the reference's steps): its ``metrics.json`` samples_per_s (training
-  loop, start-up excluded), mean GPU utilization (its nvidia-smi samples), holdout AUC and compute precision.
+  batch ``BENCH_GPU_BATCH``, ``max_steps`` = the reference's steps, the loss read every eighth of them, at most
+  50): its ``metrics.json`` ``loop`` (rows/s and median step from the first to the last timed step, so warm-up,
+  start-up, checkpoint, evaluation and export stay out, as they do of the reference; GPU utilization of its
+  nvidia-smi samples inside those steps), holdout AUC and compute precision; the rest of its time per phase.
 - Scoring: ``score_batch_local``'s ``run`` over one published partition with the exported model (precision auto:
   bf16 where the export's check allowed it), Parquet read and write included, against the reference's scoring of
   rows already on the device in the same precision.
 - Evaluation: ``jobs/evaluate.py``'s ``evaluate`` of the exported model against itself as champion (two models
-  on the same holdout, the nightly's evaluation).
+  on the same holdout, the nightly's evaluation; one file, so loaded and scored once), with its phases.
 - Host syncs (CUDA only): the suite's training twice more, 50 and 100 steps, under
   ``torch.cuda.set_sync_debug_mode("warn")``; the difference of the warnings counted, over 50, is the loop's
   host synchronizations per step (start-up and the end count the same in both runs).
 
 Without CUDA every GPU figure prints ``not_measured`` and the paths still run on the CPU (small defaults), so the
 benchmark checks that each path works. Prints ``RESULT gpu device=... train_ratio=... train_gpu_util_pct=...
-auc_diff=... score_rows_per_s=... score_ratio=... evaluate_s=...``.
+train_step_ms=... auc_diff=... score_rows_per_s=... score_ratio=... evaluate_s=...``.
 
 Runs without Airflow or Spark (the GPU machine has neither): ``python benchmarks/bench_gpu.py`` with ``jobs`` and
 ``tests`` on PYTHONPATH, or ``make bench BENCH=gpu``. Environment: BENCH_GPU_PRESET (large on CUDA, small on CPU),
@@ -107,12 +109,14 @@ def reference_training(config, data, steps: int) -> dict:
 
 
 def write_run_config(path: Path, features: Path, dates: list[str], run_dir: Path, preset: str, batch: int,
-                     steps: int) -> Path:
+                     steps: int, log_every: int | None = None) -> Path:
     path.write_text(json.dumps({
         "run_id": "bench-gpu", "features_root": str(features), "ds": dates, "run_dir": str(run_dir),
         "model": {"preset": preset}, "max_steps": steps, "batch_size": batch, "learning_rate": 0.001,
         "checkpoint_every_steps": steps, "seed": 7, "zero_stage": 0, "precision": "auto",
-        "deepspeed_config": str(REPO / "include" / "deepspeed" / "zero0.json"), "log_every_steps": 50,
+        "deepspeed_config": str(REPO / "include" / "deepspeed" / "zero0.json"),
+        # the loop's timed points (one host sync each): several, so that the warm-up before the first stays out
+        "log_every_steps": log_every or max(1, min(50, steps // 8)),
         "gpu_sample_every_s": 0.5,
     }))
     return path
@@ -129,7 +133,7 @@ def host_syncs_per_step(workdir: Path, features: Path, dates: list[str], preset:
     counts = []
     for steps in (50, 100):
         config = write_run_config(workdir / f"syncs-{steps}.json", features, dates, workdir / f"syncs-{steps}",
-                                  preset, batch, steps)
+                                  preset, batch, steps, log_every=50)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -181,9 +185,11 @@ def main() -> dict:
         train(config_path)
         metrics = json.loads((run_dir / "metrics.json").read_text())
         model_path = str(run_dir / "export" / "model.pt")
-        suite = {"rows_per_s": metrics["samples_per_s"], "holdout_auc": metrics["holdout"]["auc"],
-                 "gpu_mean_util_pct": metrics["mean_gpu_utilization_pct"],
-                 "precision": metrics["deepspeed"]["precision"]}
+        loop = metrics["loop"]
+        suite = {"rows_per_s": loop["rows_per_s"], "step_ms_median": loop["step_ms_median"],
+                 "loop_steps": f"{loop['from_step']}-{loop['to_step']}", "holdout_auc": metrics["holdout"]["auc"],
+                 "gpu_mean_util_pct": loop["gpu_utilization_pct"], "precision": metrics["deepspeed"]["precision"],
+                 "time_split_s": metrics["time_split_s"]}
         print(f"suite training: {suite}", flush=True)
 
         started = time.perf_counter()
@@ -199,7 +205,7 @@ def main() -> dict:
         started = time.perf_counter()
         evaluated = evaluate.evaluate(str(features), tuple(dates), model_path, model_path, config.holdout_fraction)
         evaluation = {"seconds": round(time.perf_counter() - started, 3), "rows": evaluated["holdout_rows"],
-                      "device": evaluated["device"]}
+                      "device": evaluated["device"], "phases_s": evaluated["phases_s"]}
         print(f"evaluation: {evaluation}", flush=True)
         syncs = host_syncs_per_step(workdir, features, dates, preset, batch) if CUDA else None
         print(f"host syncs per training step: {syncs if CUDA else NOT_MEASURED}", flush=True)
@@ -215,8 +221,9 @@ def main() -> dict:
         "device": torch.cuda.get_device_name(0).replace(" ", "_") if CUDA else "cpu",
         "preset": preset, "batch": batch, "steps": steps,
         "train_ref_rows_per_s": gpu(reference["rows_per_s"]), "train_rows_per_s": gpu(suite["rows_per_s"]),
-        "train_ratio": gpu(round(suite["rows_per_s"] / reference["rows_per_s"], 3)),
-        "train_gpu_util_pct": gpu(suite["gpu_mean_util_pct"]), "train_precision": suite["precision"],
+        "train_ratio": gpu(suite["rows_per_s"] and round(suite["rows_per_s"] / reference["rows_per_s"], 3)),
+        "train_gpu_util_pct": gpu(suite["gpu_mean_util_pct"]), "train_step_ms": gpu(suite["step_ms_median"]),
+        "train_precision": suite["precision"],
         "auc_diff": auc_diff,
         "score_rows_per_s": gpu(scoring["rows_per_s"]), "score_ref_rows_per_s": gpu(scoring["reference_rows_per_s"]),
         "score_ratio": gpu(round(scoring["rows_per_s"] / scoring["reference_rows_per_s"], 3)),

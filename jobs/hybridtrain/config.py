@@ -24,6 +24,7 @@ from hybridtrain.tracking import TrackingConfig, parse_tracking
 
 __all__ = [
     "DEFAULT_MODEL_PRESETS_PATH",
+    "DEEPSPEED_DEFAULT_CLIPPING",
     "ModelSpec",
     "RunConfig",
     "dates_in_range",
@@ -169,18 +170,29 @@ def deepspeed_settings_for_run(
     return result, notes
 
 
+# DeepSpeed 0.19.8's gradient_clipping where a config names none (runtime/constants.py GRADIENT_CLIPPING_DEFAULT).
+DEEPSPEED_DEFAULT_CLIPPING = 1.0
+
+
 def settings_for_device(settings: Mapping[str, Any], *, cuda: bool) -> tuple[dict[str, Any], float, list[str]]:
-    """The DeepSpeed settings that keep the GPU fed, and the gradient clipping the loop applies itself.
+    """The DeepSpeed settings that keep the GPU fed, and the gradient clipping the job applies itself.
 
     - DeepSpeed's throughput timer is off unless the file configures it: by default it synchronizes the device
       at the start and the end of every step (``timers.throughput.synchronized``), which drains the GPU's queue.
     - On CUDA, torch's fused AdamW where DeepSpeed builds torch's Adam (``torch_adam``) and the file says nothing
       of ``fused``: one kernel for every parameter instead of several per tensor. (On CPUs the default stays.)
-    - ZeRO stage 0 with float32 weights: the loop clips gradients itself (torch's ``clip_grad_norm_`` keeps the
-      bound on the device), so ``gradient_clipping`` moves out of the settings into the returned value; DeepSpeed's
-      stage-0 clipping builds two tensors from host values each step, and each copy waits for the GPU.
+    - The job clips gradients itself, on the device, right before each optimizer step
+      (``engine.clip_gradients_before_step``) wherever DeepSpeed would read the norm on the host each step: at ZeRO
+      stage 0 with float32 weights (DeepSpeed's stage-0 clipping builds two tensors from host values) and under
+      ZeRO 1/2 without fp16 (``is_invalid_grad_norm`` calls ``bool()`` on the norm). The file's
+      ``gradient_clipping`` (DeepSpeed's default where it says none) becomes the returned value and DeepSpeed's
+      is set to 0. Under ZeRO 1/2 DeepSpeed then need not compute the norm at all (``compute_grad_norm``), nor
+      check bf16 gradients for overflow (``bf16.check_grad_overflow``, an ``.item()`` per step), unless the file
+      says so: a non-finite gradient shows in the loss, which the loop reads every ``log_every_steps`` and which
+      ends the run. Left to DeepSpeed: fp16 (its loss scaling needs the overflow check), optimizer offload and
+      DeepSpeed's own bf16 optimizer (stage 1 with bf16 weights and a wider gradient accumulation dtype).
 
-    :return: the settings, the norm the loop clips to (0: none, DeepSpeed clips), and one note per change.
+    :return: the settings, the norm the job clips to (0: none, or DeepSpeed clips), and one note per change.
     """
     result = json.loads(json.dumps(settings))
     notes = []
@@ -192,12 +204,27 @@ def settings_for_device(settings: Mapping[str, Any], *, cuda: bool) -> tuple[dic
     if cuda and params.get("torch_adam") and "fused" not in params:
         params["fused"] = True
         notes.append("optimizer.params.fused: true (torch's fused AdamW on CUDA)")
-    half = any((result.get(key) or {}).get("enabled") for key in ("bf16", "fp16"))
-    stage = (result.get("zero_optimization") or {}).get("stage", 0)
+    bf16, fp16 = (bool((result.get(key) or {}).get("enabled")) for key in ("bf16", "fp16"))
+    zero = result.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    accumulation = (result.get("data_types") or {}).get("grad_accum_dtype")
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+    zero_optimizer = stage in (1, 2) and not (fp16 or offload) and not (
+        stage == 1 and bf16 and accumulation not in (None, "bf16", "bfloat16")
+    )
     clip = 0.0
-    if stage == 0 and not half and result.get("gradient_clipping"):
-        clip = float(result.pop("gradient_clipping"))
-        notes.append(f"gradient_clipping {clip}: applied by the loop (ZeRO stage 0, float32 weights)")
+    if zero_optimizer or (stage == 0 and not (bf16 or fp16)):
+        clip = float(result.get("gradient_clipping", DEEPSPEED_DEFAULT_CLIPPING))
+        result["gradient_clipping"] = 0.0  # absent is not off: DeepSpeed would clip at its default as well
+        if clip:
+            notes.append(f"gradient_clipping {clip}: applied by the job before each optimizer step (stage {stage})")
+    if zero_optimizer:
+        if "compute_grad_norm" not in result["zero_optimization"]:
+            result["zero_optimization"]["compute_grad_norm"] = False
+            notes.append("zero_optimization.compute_grad_norm: false (its invalid-norm check reads the norm each step)")
+        if bf16 and "check_grad_overflow" not in result["bf16"]:
+            result["bf16"]["check_grad_overflow"] = False
+            notes.append("bf16.check_grad_overflow: false (an .item() each step; a non-finite loss ends the run)")
     return result, clip, notes
 
 

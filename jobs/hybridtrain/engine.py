@@ -21,6 +21,7 @@ from torch import nn
 __all__ = [
     "SHM_COMM_OPT_IN",
     "broadcast_from_rank0",
+    "clip_gradients_before_step",
     "control_group",
     "end_process_group",
     "full_state_dict",
@@ -166,15 +167,47 @@ def max_across_ranks(value: int, group: Any = None) -> int:
 
 
 def end_process_group(device: torch.device) -> None:
-    """Tear torch.distributed down at the end of a successful job where NCCL would warn of a leak otherwise.
+    """Tear torch.distributed down at the end of a successful job: on GPUs, where NCCL would warn of a leak
+    otherwise, and for a single rank, so that a later training in the same process starts a group of its own.
 
-    gloo (CPU) groups are left to the process exit: destroying them while a peer was still finishing aborted that
-    rank in CI ("terminate called without an active exception", srun then killed the step). On GPUs every rank
-    first waits for the others, so none tears its communicators down under a peer's last collective."""
-    if device.type != "cuda" or not dist.is_initialized():
+    Through DeepSpeed's comm layer, which also drops the groups DeepSpeed caches (its clone of the world group):
+    torch's own ``destroy_process_group`` left them stale, and the next ``deepspeed.initialize`` in the process
+    failed with "Group ... is not registered". Several gloo (CPU) ranks are left to the process exit: destroying
+    them while a peer was still finishing aborted that rank in CI ("terminate called without an active
+    exception", srun then killed the step). On GPUs every rank first waits for the others, so none tears its
+    communicators down under a peer's last collective."""
+    if not dist.is_initialized() or (device.type != "cuda" and dist.get_world_size() > 1):
         return
     dist.barrier()
-    dist.destroy_process_group()
+    deepspeed.comm.destroy_process_group()
+
+
+def clip_gradients_before_step(engine: deepspeed.DeepSpeedEngine, max_norm: float) -> None:
+    """Clip the gradients to a global L2 norm of ``max_norm`` on the device, right before each optimizer step.
+
+    DeepSpeed 0.19.8's own clipping reads the norm on the host, which waits for the GPU's queue every step: at
+    stage 0 it builds two tensors from host values, under ZeRO 1/2 ``is_invalid_grad_norm`` calls ``bool()`` on
+    it (``settings_for_device`` turns DeepSpeed's off). A pre-hook on the optimizer that applies the step sees
+    the gradients at their final state: at stage 0 the whole gradients, already averaged over the ranks; under
+    ZeRO 1/2 this rank's fp32 partition of them, so the squared norms are summed over the ranks first.
+    """
+    partitioned = engine.zero_optimization_stage() in (1, 2)
+    optimizer = engine.optimizer.optimizer if partitioned else engine.optimizer
+    if len(optimizer.param_groups) != 1:
+        # ZeRO steps one parameter group at a time: a norm per group would not be the global one.
+        raise ValueError(f"clipping before the step needs one parameter group, not {len(optimizer.param_groups)}")
+    dp_group = engine.optimizer.dp_process_group if partitioned else None
+
+    def clip(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
+        if partitioned and dist.get_world_size(dp_group) > 1:
+            squares = norm.square()
+            dist.all_reduce(squares, group=dp_group)
+            norm = squares.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+
+    optimizer.register_step_pre_hook(clip)
 
 
 def gather_objects(value: Any) -> list[Any]:

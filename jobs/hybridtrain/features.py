@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
+from operator import methodcaller
 
 import numpy as np
 import pyarrow as pa
@@ -50,7 +53,7 @@ class FeatureSet:
     feature_columns: tuple[str, ...]
     features: np.ndarray
     labels: np.ndarray
-    customer_ids: np.ndarray
+    customer_ids: pa.ChunkedArray  # strings, kept in Arrow: hashed there for the holdout, never one by one
     rows_per_partition: dict[str, int]
 
     def __len__(self) -> int:
@@ -108,26 +111,26 @@ def read_feature_partitions(features_root: str, ds_values: tuple[str, ...]) -> F
         feature_columns=feature_columns,
         features=features,
         labels=table.column(LABEL_COLUMN).to_numpy().astype(np.float32),
-        customer_ids=np.asarray(table.column(ID_COLUMN).to_pylist(), dtype=object),
+        customer_ids=table.column(ID_COLUMN),
         rows_per_partition=rows_per_partition,
     )
 
 
-def holdout_mask(customer_ids: np.ndarray, fraction: float) -> np.ndarray:
+def holdout_mask(customer_ids: pa.Array | pa.ChunkedArray | Sequence[str], fraction: float) -> np.ndarray:
     """True for the rows of the holdout: a stable hash of ``customer_id`` (see ``HOLDOUT_RULE``), so a
-    customer is in the same split on every day, in every run and in every process.
+    customer is in the same split on every day, in every run and in every process. Each distinct id is hashed
+    once (a customer has a row per day), by hashlib driven from C (``map`` and ``bytes.join``: no Python code runs
+    per id; a BLAKE2b written in numpy measured no faster).
     """
-    threshold = round(fraction * HOLDOUT_BUCKETS)
-    buckets = np.fromiter(
-        (
-            int.from_bytes(hashlib.blake2b(str(cid).encode(), digest_size=8).digest(), "big")
-            % HOLDOUT_BUCKETS
-            for cid in customer_ids
-        ),
-        dtype=np.int64,
-        count=len(customer_ids),
-    )
-    return buckets < threshold
+    if isinstance(customer_ids, pa.ChunkedArray):
+        customer_ids = customer_ids.combine_chunks()
+    elif not isinstance(customer_ids, pa.Array):
+        customer_ids = pa.array(customer_ids, pa.string())
+    encoded = pc.dictionary_encode(customer_ids)  # the distinct ids, and each row's among them, in one pass
+    distinct = encoded.dictionary.cast(pa.large_binary()).to_pylist()  # UTF-8 bytes
+    digests = b"".join(map(methodcaller("digest"), map(partial(hashlib.blake2b, digest_size=8), distinct)))
+    holdout = np.frombuffer(digests, dtype=">u8") % HOLDOUT_BUCKETS < round(fraction * HOLDOUT_BUCKETS)
+    return holdout[encoded.indices.to_numpy()]
 
 
 def standardization(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -47,6 +47,7 @@ __all__ = [
     "read_gpu_metrics",
     "read_run_gpu_metrics",
     "summarise_gpu_metrics",
+    "within",
 ]
 
 NVIDIA_SMI_QUERY = ("index", "uuid", "utilization.gpu", "memory.used", "power.draw")
@@ -135,6 +136,20 @@ def read_run_gpu_metrics(run_dir: Path) -> list[dict[str, Any]]:
     paths = [run_dir / LEGACY_GPU_METRICS_FILE, *sorted(run_dir.glob("gpu_metrics.rank*.jsonl"))]
     records = [record for path in paths for record in read_gpu_metrics(path)]
     return sorted(records, key=lambda record: str(record.get("ts", "")))
+
+
+def within(records: Iterable[dict[str, Any]], windows: Iterable[tuple[float, float]]) -> list[dict[str, Any]]:
+    """The records whose ``ts`` falls inside one of ``windows`` (epoch seconds, both ends included)."""
+    windows = list(windows)
+    chosen = []
+    for record in records:
+        try:
+            at = datetime.fromisoformat(str(record.get("ts"))).timestamp()
+        except ValueError:
+            continue
+        if any(start <= at <= end for start, end in windows):
+            chosen.append(record)
+    return chosen
 
 
 def summarise_gpu_metrics(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -261,7 +276,8 @@ class GpuSampler(threading.Thread):
     def _write(self, record: dict[str, Any]) -> None:
         """One ``write`` of one whole line with O_APPEND: a reader (or a restart's sampler) never sees two
         lines mixed, and a line cut by a kill is skipped on read."""
-        line = {"ts": datetime.now(UTC).isoformat(timespec="seconds"), **self._static, **record}
+        # milliseconds: the loop's step window (loop_window) may last about a second
+        line = {"ts": datetime.now(UTC).isoformat(timespec="milliseconds"), **self._static, **record}
         data = (json.dumps(line) + "\n").encode()
         fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

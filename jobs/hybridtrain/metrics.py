@@ -13,6 +13,7 @@ from hybridtrain.checkpoints import MANIFEST_NAME, step_dir_name
 from hybridtrain.config import RunConfig
 from hybridtrain.features import HOLDOUT_RULE
 from hybridtrain.gpu import read_run_gpu_metrics, summarise_gpu_metrics
+from hybridtrain.loop_window import LoopWindow
 from hybridtrain.plan import TrainingPlan
 from hybridtrain.state import TrainingState
 from hybridtrain.tracking import code_version
@@ -41,6 +42,7 @@ def run_metrics(
     restarts: int,
     wall_time_s: float,
     time_split_s: dict[str, float],
+    loop: LoopWindow,
     n_parameters: int,
     n_trainable: int,
     engine: Mapping[str, Any],
@@ -51,7 +53,9 @@ def run_metrics(
 
     :param data: the run's ``runner.PreparedData``.
     :param wall_time_s: since the process started.
-    :param time_split_s: rank 0's wall seconds per phase (``time_split``).
+    :param time_split_s: rank 0's wall seconds per phase (``time_split``): start-up, data, checkpoints,
+        evaluation and export apart from the steps.
+    :param loop: this attempt's timed steps (``loop_window``), whose rows/s is the headline ``samples_per_s``.
     :param n_trainable: trainable parameters, the gradient volume an all-reduce sample moves.
     :param engine: what only the engine knows, under ``deepspeed``: ``version``, ``nodes``, ``ranks``,
         ``device``, ``dtype``, ``precision``, ``gradient_clipping_by`` and ``fused_optimizer``.
@@ -59,7 +63,9 @@ def run_metrics(
     evaluation = state.evaluation
     rows_processed = state.step * plan.rows_per_step
     train_wall_s = state.train_wall_s()
-    gpu = summarise_gpu_metrics(read_run_gpu_metrics(config.run_dir))
+    gpu_records = read_run_gpu_metrics(config.run_dir)
+    gpu = summarise_gpu_metrics(gpu_records)
+    loop_figures = loop.figures(plan.rows_per_step, gpu_records)
     return {
         "status": "completed",
         "run_id": config.run_id,
@@ -91,9 +97,10 @@ def run_metrics(
         "train_wall_time_s": train_wall_s,
         "wall_time_s": wall_time_s,
         "time_split_s": time_split_s,
-        "samples_per_s": round(rows_processed / train_wall_s, 2) if train_wall_s > 0 else None,
+        "samples_per_s": loop_figures["rows_per_s"],
+        "loop": loop_figures,
         "gpu": gpu,
-        "mean_gpu_utilization_pct": gpu["mean_utilization_pct"],
+        "mean_gpu_utilization_pct": gpu["mean_utilization_pct"],  # the whole job's, as the partition ledger bills it
         "model": model_details(config, n_parameters),
         "deepspeed": {
             **engine,

@@ -45,6 +45,7 @@ from hybridtrain.launch import (
     node_name,
     restart_count,
 )
+from hybridtrain.loop_window import LoopWindow
 from hybridtrain.metrics import model_details, run_metrics
 from hybridtrain.plan import TrainingPlan, epoch_permutation, make_plan
 from hybridtrain.preemption import StopRequest, requeue_job
@@ -271,6 +272,8 @@ class _Trainer:
         self.engine, self.device = ds_engine.init_engine(
             network, ds_config, self.local_rank, timeout_s=self.config.collective_timeout_s
         )
+        if self.clip_norm:
+            ds_engine.clip_gradients_before_step(self.engine, self.clip_norm)
         self.dtype = ds_engine.input_dtype(ds_config)
         self.autocast = _autocast(self.config.precision, self.device, self.dtype, torch)
         self.control_group = ds_engine.control_group(self.device)
@@ -309,6 +312,7 @@ class _Trainer:
         )
         self.scorer = EngineScorer(self.engine, self.device, self.dtype, self.heartbeat)
         self.reports: TrainingReports | None = None  # from the loop's start: rank 0's step log opens there
+        self.window = LoopWindow()
         self._comm_buffer: Any = None
 
     # --- main loop ------------------------------------------------------------------------------------------
@@ -361,6 +365,7 @@ class _Trainer:
                 self.heartbeat.beat(step=state.step)
                 if state.step % self.config.log_every_steps == 0 or state.step == self.plan.total_steps:
                     loss = self.ds.mean_across_ranks(loss_sum / losses)
+                    self.window.mark(state.step)  # the loss read waited for every step so far
                     state.record_loss(loss)
                     reports.loss(loss)
                     loss_sum.zero_()
@@ -369,6 +374,7 @@ class _Trainer:
                     self._checkpoint(evaluate=True)
                 elif reports.report("training"):
                     reports.log_progress()
+            state.end_loop()
             return self._finish()
         finally:
             sampler.stop()
@@ -379,8 +385,10 @@ class _Trainer:
         torch, step = self.torch, self.state.step
         epoch, start = self.plan.batch_position(step, self.rank, micro)
         if self._order is None or self._order[0] != epoch:
-            order = epoch_permutation(self.plan.n_train_rows, self.plan.seed, epoch)
-            self._order = (epoch, torch.from_numpy(order.copy()).to(self.device))
+            order = torch.from_numpy(epoch_permutation(self.plan.n_train_rows, self.plan.seed, epoch).copy())
+            if self.device.type == "cuda":
+                order = order.pin_memory()  # a copy from pageable memory would wait for the GPU's queue
+            self._order = (epoch, order.to(self.device, non_blocking=True))
         rows = self._order[1][start : start + self.plan.batch_size]
         inputs = self.train_x.index_select(0, rows)
         labels = self.train_y.index_select(0, rows)
@@ -389,8 +397,6 @@ class _Trainer:
             logits = self.engine(inputs).squeeze(1).float()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
         self.engine.backward(loss)
-        if self.clip_norm and micro == self.plan.accumulation - 1:  # gradients are all-reduced by now
-            torch.nn.utils.clip_grad_norm_(self.engine.module.parameters(), self.clip_norm, foreach=True)
         self.engine.step()
         return loss.detach()
 
@@ -426,12 +432,15 @@ class _Trainer:
     # --- checkpoints and evaluation -------------------------------------------------------------------------
 
     def _checkpoint(self, *, evaluate: bool) -> None:
+        self.ds.synchronize(self.device)  # the steps end here, not inside the checkpoint
+        self.window.pause(self.state.step)
         self.reports.report("checkpointing", force=True)
         self.heartbeat.beat(phase="checkpointing")
         if evaluate:
             self._evaluate()
             self.heartbeat.beat(phase="checkpointing")
         self.checkpointer.save(self.state, with_evaluation=evaluate)
+        self.window.mark(self.state.step)
         self.reports.report("training", force=True)
         self.heartbeat.beat(phase="training")
 
@@ -515,6 +524,7 @@ class _Trainer:
             restarts=self.restarts,
             wall_time_s=round(time.monotonic() - self.job.started, 3),
             time_split_s=self.heartbeat.phases.seconds(),  # rank 0's wall seconds per phase (this run)
+            loop=self.window,
             n_parameters=self.n_parameters,
             n_trainable=self.n_trainable,
             engine={

@@ -35,6 +35,7 @@ class TrainingState:
     train_wall_prior_s: float = 0.0  # training seconds of the attempts before this one
     clock: Callable[[], float] = time.monotonic
     loop_started: float = field(init=False)
+    loop_ended: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.loop_started = self.clock()
@@ -43,8 +44,15 @@ class TrainingState:
         """Count this attempt's training time from now (after data loading, start-up and resume)."""
         self.loop_started = self.clock()
 
+    def end_loop(self) -> None:
+        """Stop counting training time: the export and what follows it are not training."""
+        self.loop_ended = self.clock()
+
     def train_wall_s(self) -> float:
-        return round(self.train_wall_prior_s + self.clock() - self.loop_started, 3)
+        """Seconds of the training loops, their checkpoints and evaluations included, this attempt's up to now or
+        to its :meth:`end_loop`."""
+        now = self.clock() if self.loop_ended is None else self.loop_ended
+        return round(self.train_wall_prior_s + now - self.loop_started, 3)
 
     def record_loss(self, loss: float) -> None:
         """Keep a logged step's loss; a non-finite one ends the run (nothing after it is worth training)."""

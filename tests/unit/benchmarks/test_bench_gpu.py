@@ -14,7 +14,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[3]
-GPU_FIGURES = ("train_ref_rows_per_s", "train_rows_per_s", "train_ratio", "train_gpu_util_pct",
+GPU_FIGURES = ("train_ref_rows_per_s", "train_rows_per_s", "train_ratio", "train_gpu_util_pct", "train_step_ms",
                "train_host_syncs_per_step", "score_rows_per_s", "score_ref_rows_per_s", "score_ratio", "evaluate_s")
 
 
@@ -34,4 +34,9 @@ def test_gpu_bench_runs_every_path_on_cpu_and_invents_no_gpu_figure():
     # the CPU paths ran: both trainings, the scorer over a published partition, the evaluation
     for path in ("reference training", "suite training", "scoring"):
         assert re.search(rf"^{path}: \{{'rows_per_s': [0-9.]+", done.stdout, flags=re.M), path
-    assert re.search(r"^evaluation: \{'seconds': [0-9.]+, 'rows': [1-9]\d*, 'device': 'cpu'\}", done.stdout, re.M)
+    phases = r"\{'read': [0-9.]+, 'hash': [0-9.]+, 'load': [0-9.]+, 'score': [0-9.]+, 'metrics': [0-9.]+\}"
+    assert re.search(rf"^evaluation: \{{'seconds': [0-9.]+, 'rows': [1-9]\d*, 'device': 'cpu', 'phases_s': {phases}\}}",
+                     done.stdout, re.M)
+    # the suite's figures are its loop's, from the first timed step on
+    assert re.search(r"^suite training: \{'rows_per_s': [0-9.]+, 'step_ms_median': [0-9.]+, 'loop_steps': '1-12'",
+                     done.stdout, re.M)

@@ -383,43 +383,69 @@ def test_training_job_docstring_lists_every_run_config_key():
     assert sorted(key for key in _KNOWN_KEYS if f'"{key}"' not in docstring) == []
 
 
-@pytest.mark.parametrize("settings, cuda, expected_changes, clip", [
-    # stage 0, float32 weights: the loop clips (DeepSpeed's stage-0 clip waits for the GPU), AdamW fused on CUDA
-    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}, "gradient_clipping": 1.0,
-      "zero_optimization": {"stage": 0}}, True,
-     {"timers": {"throughput": {"enabled": False}}, "fused": True, "gradient_clipping": None}, 1.0),
+ADAMW = {"type": "AdamW", "params": {"torch_adam": True}}
+TIMERS_OFF = {"throughput": {"enabled": False}}
+
+
+@pytest.mark.parametrize("settings, cuda, expected, clip, notes", [
+    # stage 0, float32 weights: the job clips (DeepSpeed's stage-0 clip waits for the GPU), AdamW fused on CUDA
+    ({"optimizer": ADAMW, "gradient_clipping": 1.0, "zero_optimization": {"stage": 0}}, True,
+     {"timers": TIMERS_OFF, "fused": True, "gradient_clipping": 0.0}, 1.0, 3),
     # the same on CPUs: no fused kernel asked for
-    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}, "gradient_clipping": 1.0,
-      "zero_optimization": {"stage": 0}}, False,
-     {"timers": {"throughput": {"enabled": False}}, "fused": None, "gradient_clipping": None}, 1.0),
-    # ZeRO partitions the gradients: DeepSpeed keeps clipping
-    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}, "gradient_clipping": 1.0,
-      "zero_optimization": {"stage": 2}}, True,
-     {"timers": {"throughput": {"enabled": False}}, "fused": True, "gradient_clipping": 1.0}, 0.0),
-    # DeepSpeed's bf16 weights: its optimizer clips
-    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}, "gradient_clipping": 1.0,
-      "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}, True,
-     {"timers": {"throughput": {"enabled": False}}, "fused": True, "gradient_clipping": 1.0}, 0.0),
-    # what the file says wins: its own timer, fused off, DeepSpeed's FusedAdam (no torch_adam)
+    ({"optimizer": ADAMW, "gradient_clipping": 1.0, "zero_optimization": {"stage": 0}}, False,
+     {"timers": TIMERS_OFF, "fused": None, "gradient_clipping": 0.0}, 1.0, 2),
+    # ZeRO 1/2: the job clips the partitions, DeepSpeed computes no norm (its invalid-norm check reads it)
+    ({"optimizer": ADAMW, "gradient_clipping": 0.5, "zero_optimization": {"stage": 1}}, True,
+     {"timers": TIMERS_OFF, "fused": True, "gradient_clipping": 0.0, "compute_grad_norm": False}, 0.5, 4),
+    # DeepSpeed's bf16 weights under ZeRO 2: nor does it read the overflow flag
+    ({"optimizer": ADAMW, "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}},
+     True, {"timers": TIMERS_OFF, "fused": True, "gradient_clipping": 0.0, "compute_grad_norm": False,
+            "check_grad_overflow": False}, 1.0, 5),
+    # what the file says wins
+    ({"optimizer": ADAMW, "gradient_clipping": 1.0, "bf16": {"enabled": True, "check_grad_overflow": True},
+      "zero_optimization": {"stage": 2, "compute_grad_norm": True}, "timers": TIMERS_OFF}, True,
+     {"timers": TIMERS_OFF, "fused": True, "gradient_clipping": 0.0, "compute_grad_norm": True,
+      "check_grad_overflow": True}, 1.0, 2),
+    # left to DeepSpeed: its bf16 optimizer (stage 0; stage 1 accumulating in fp32) and fp16's loss scaling
+    ({"optimizer": ADAMW, "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}},
+     True, {"timers": TIMERS_OFF, "fused": True, "gradient_clipping": 1.0}, 0.0, 2),
+    ({"optimizer": ADAMW, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+      "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}}, True,
+     {"timers": TIMERS_OFF, "fused": True, "gradient_clipping": 1.0}, 0.0, 2),
+    ({"optimizer": ADAMW, "gradient_clipping": 1.0, "fp16": {"enabled": True}, "zero_optimization": {"stage": 2}},
+     True, {"timers": TIMERS_OFF, "fused": True, "gradient_clipping": 1.0}, 0.0, 2),
+    ({"optimizer": ADAMW, "gradient_clipping": 1.0,
+      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, True,
+     {"timers": TIMERS_OFF, "fused": True, "gradient_clipping": 1.0}, 0.0, 2),
+    # a file without gradient_clipping gets DeepSpeed's default, clipped by the job; one that turns it off, none
     ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "fused": False}},
       "timers": {"throughput": {"enabled": True, "synchronized": False}}}, True,
-     {"timers": {"throughput": {"enabled": True, "synchronized": False}}, "fused": False,
-      "gradient_clipping": None}, 0.0),
-    ({"optimizer": {"type": "AdamW", "params": {}}}, True,
-     {"timers": {"throughput": {"enabled": False}}, "fused": None, "gradient_clipping": None}, 0.0),
-], ids=["zero0-cuda", "zero0-cpu", "zero2", "deepspeed-bf16", "file-wins", "deepspeed-fusedadam"])
-def test_training_settings_for_device_never_wait_for_the_gpu(settings, cuda, expected_changes, clip):
+     {"timers": {"throughput": {"enabled": True, "synchronized": False}}, "fused": False, "gradient_clipping": 0.0},
+     1.0, 1),
+    ({"optimizer": {"type": "AdamW", "params": {}}, "gradient_clipping": 0}, True,
+     {"timers": TIMERS_OFF, "fused": None, "gradient_clipping": 0.0}, 0.0, 1),
+], ids=["zero0-cuda", "zero0-cpu", "zero1", "zero2-deepspeed-bf16", "file-wins", "deepspeed-bf16-zero0",
+        "deepspeed-bf16-zero1-fp32-accumulation", "fp16", "offload", "default-clipping", "clipping-off"])
+def test_training_settings_for_device_never_wait_for_the_gpu(settings, cuda, expected, clip, notes):
     from hybridtrain.config import settings_for_device
 
     before = json.dumps(settings, sort_keys=True)
-    tuned, loop_clip, notes = settings_for_device(settings, cuda=cuda)
+    tuned, job_clip, written = settings_for_device(settings, cuda=cuda)
     assert json.dumps(settings, sort_keys=True) == before, "the file's settings are not modified in place"
-    assert tuned["timers"] == expected_changes["timers"]
-    assert tuned["optimizer"]["params"].get("fused") == expected_changes["fused"]
-    assert tuned.get("gradient_clipping") == expected_changes["gradient_clipping"]
-    assert loop_clip == clip
-    assert len(notes) == sum([
-        "timers" not in settings, expected_changes["fused"] is True, bool(clip)])
+    assert tuned["timers"] == expected["timers"]
+    assert tuned["optimizer"]["params"].get("fused") == expected["fused"]
+    assert tuned.get("gradient_clipping") == expected["gradient_clipping"]
+    assert (tuned.get("zero_optimization") or {}).get("compute_grad_norm") == expected.get("compute_grad_norm")
+    assert (tuned.get("bf16") or {}).get("check_grad_overflow") == expected.get("check_grad_overflow")
+    assert (job_clip, len(written)) == (clip, notes), written
+
+
+def test_training_settings_know_deepspeeds_default_clipping():
+    """A file without gradient_clipping is clipped at DeepSpeed's default, which settings_for_device names."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    from hybridtrain.config import DEEPSPEED_DEFAULT_CLIPPING
+
+    assert DEEPSPEED_DEFAULT_CLIPPING == GRADIENT_CLIPPING_DEFAULT
 
 
 @pytest.mark.parametrize("value, accepted", [

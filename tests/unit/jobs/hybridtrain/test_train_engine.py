@@ -98,3 +98,28 @@ def test_training_process_groups_default_to_the_collective_timeout(monkeypatch, 
     assert dist.new_group(*args, **kwargs) == "group"
     ((passed_args, passed_kwargs),) = created
     assert (passed_kwargs.get("timeout") or passed_args[1]) == timeout
+
+
+def test_training_clips_gradients_before_the_optimizer_step_without_reading_the_norm():
+    """Stage 0's hook: the whole gradients to a global norm of max_norm, on the device (nothing read on the host);
+    a norm within the bound is left alone. (ZeRO 1/2 partitions: test_train_host_syncs compares the stages.)"""
+    from helpers.host_syncs import HostSyncCounter
+
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)  # lr 0: the step leaves the clipped gradients to read
+    ds_engine.clip_gradients_before_step(SimpleNamespace(zero_optimization_stage=lambda: 0, optimizer=optimizer), 0.5)
+    for fill, norm in ((2.0, 0.5), (0.01, 0.01 * 8**0.5)):  # 8 gradient values
+        for parameter in layer.parameters():
+            parameter.grad = torch.full_like(parameter, fill)
+        with HostSyncCounter() as syncs:
+            optimizer.step()
+        assert syncs.total == 0, syncs.calls
+        assert float(torch.nn.utils.get_total_norm([p.grad for p in layer.parameters()])) == pytest.approx(norm, 1e-5)
+        assert torch.allclose(layer.weight.grad, layer.weight.grad[0, 0].expand_as(layer.weight)), "direction kept"
+
+
+def test_training_clipping_before_the_step_needs_one_parameter_group():
+    first, second = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD([{"params": first.parameters()}, {"params": second.parameters()}], lr=0.1)
+    with pytest.raises(ValueError, match="one parameter group, not 2"):
+        ds_engine.clip_gradients_before_step(SimpleNamespace(zero_optimization_stage=lambda: 0, optimizer=optimizer), 1)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hybridtrain.evaluation import LOG_LOSS_EPS, holdout_figures, log_loss, roc_auc
+from hybridtrain.evaluation import LOG_LOSS_EPS, holdout_figures, log_loss, paired_auc_difference, roc_auc
 
 
 def pairwise_auc(labels, scores) -> float:
@@ -83,3 +83,33 @@ def test_holdout_figures_score_the_logits_as_probabilities():
     assert figures == {"step": 40, "auc": roc_auc(labels, logits), "log_loss": pytest.approx(
         log_loss(labels, 1 / (1 + np.exp(-logits.astype(np.float64))))), "rows": 5, "positives": 2}
     assert figures["auc"] == 5 / 6 and isinstance(figures["positives"], int)
+
+
+def delong_by_pairs(labels, first, second) -> tuple[float, float]:
+    """DeLong's paired difference from its definition: each row's placements, pair by pair."""
+    def psi(p, n):
+        return 1.0 if p > n else 0.5 if p == n else 0.0
+
+    positives = [i for i, y in enumerate(labels) if y]
+    negatives = [i for i, y in enumerate(labels) if not y]
+    d10 = [np.mean([psi(first[i], first[j]) - psi(second[i], second[j]) for j in negatives]) for i in positives]
+    d01 = [np.mean([psi(first[i], first[j]) - psi(second[i], second[j]) for i in positives]) for j in negatives]
+    return float(np.mean(d10)), math.sqrt(np.var(d10, ddof=1) / len(d10) + np.var(d01, ddof=1) / len(d01))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paired_auc_difference_is_delongs_with_ties(seed):
+    rng = np.random.default_rng(seed)
+    labels = (rng.random(40) < 0.4).astype(np.float32)
+    first = np.round(rng.normal(size=40) + labels, 1)  # rounded: ties within and across the classes
+    second = np.round(first + rng.normal(0, 0.3, size=40), 1)
+    difference, se = paired_auc_difference(labels, first, second)
+    assert difference == pytest.approx(pairwise_auc(labels, first) - pairwise_auc(labels, second), abs=1e-12)
+    assert (difference, se) == pytest.approx(delong_by_pairs(labels, first, second), abs=1e-12)
+    assert se > 0
+
+
+def test_paired_auc_difference_of_one_score_is_zero_and_needs_both_classes():
+    scores = np.array([0.1, 0.4, 0.35, 0.8])
+    assert paired_auc_difference([0, 0, 1, 1], scores, scores) == (0.0, 0.0)
+    assert paired_auc_difference([1, 1, 1, 1], scores, scores[::-1]) is None

@@ -108,7 +108,8 @@ def _probability_model(weight: float, bias: float) -> torch.nn.Module:
 
 @pytest.mark.parametrize("weight, bias, centre, spread, scoring, reason", [
     # standardised-like inputs: bf16 rounding moves no probability by 0.01
-    (1.0, 0.0, 0.0, 1.0, "bf16", r"max \|p_bf16 - p_fp32\| \S+ \(limit 0.01\), AUC difference \S+ \(limit 0.001\)"),
+    (1.0, 0.0, 0.0, 1.0, "bf16",
+     r"max \|p_bf16 - p_fp32\| \S+ \(limit 0.01\), AUC loss \S+ \+- \S+ on 2000 rows, at least \S+ \(limit 0.001\)"),
     # raw values near 1000 cancelled by the bias: bf16's spacing there (4) swamps the signal
     (1.0, -1000.0, 1000.0, 1.0, "fp32", r"max \|p_bf16 - p_fp32\|"),
 ])
@@ -122,8 +123,43 @@ def test_training_precision_check_allows_bf16_only_within_the_limits(weight, bia
     check = result["check"]
     assert result["scoring"] == scoring
     assert check["limits"] == BF16_LIMITS and check["rows"] == check["labelled_rows"] == 2000
-    assert (check["max_abs_diff"] <= 0.01 and check["auc_diff"] <= 0.001) == (scoring == "bf16")
+    assert (check["max_abs_diff"] <= 0.01 and check["auc_loss_bound"] <= 0.001) == (scoring == "bf16")
     assert re.search(reason, check["reason"])
+
+
+class ScoresByRow:
+    """A model of fixed scores per row (the row's one input is its index), others under bf16 autocast."""
+
+    def __init__(self, fp32: np.ndarray, bf16: np.ndarray) -> None:
+        self.fp32, self.bf16 = fp32.astype(np.float32), bf16.astype(np.float32)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        scores = self.bf16 if torch.is_autocast_enabled("cpu") else self.fp32
+        return torch.from_numpy(scores[rows[:, 0].long().numpy()]).reshape(-1, 1)
+
+
+@pytest.mark.parametrize("rows, amplitude, seed, scoring", [
+    # bf16 loses 0.00118 of the AUC, +- 0.00078: noise on 1,200 rows, which the check once refused bf16 for
+    (1_200, 0.004, 10, "bf16"),
+    # 0.00162 +- 0.00016 on 100,000 rows: a loss beyond the limit
+    (100_000, 0.008, 0, "fp32"),
+], ids=["noise-on-a-small-holdout", "a-loss-beyond-the-limit"])
+def test_training_precision_check_judges_the_auc_loss_against_its_noise(rows, amplitude, seed, scoring):
+    from hybridtrain.export import BF16_LIMITS, precision_check
+
+    rng = np.random.default_rng(seed)
+    signal = rng.normal(size=rows)
+    labels = (signal + rng.normal(0, 1.0, rows) > 0).astype(np.float32)
+    fp32 = 0.5 + 0.05 * signal
+    model = ScoresByRow(fp32, fp32 + rng.uniform(-amplitude, amplitude, rows))
+    result = precision_check(model, np.arange(rows, dtype=np.float32).reshape(-1, 1), labels, "cpu")
+    check = result["check"]
+    assert result["scoring"] == scoring
+    assert check["max_abs_diff"] <= BF16_LIMITS["max_abs_diff"] and check["auc_diff"] > BF16_LIMITS["auc_diff"]
+    assert check["auc_loss"] == pytest.approx(check["auc_fp32"] - check["auc_bf16"])
+    assert check["labelled_rows"] == rows and check["auc_loss_se"] > 0
+    assert (check["auc_loss_bound"] <= BF16_LIMITS["auc_diff"]) == (scoring == "bf16")
+    assert f"on {rows} rows" in check["reason"]
 
 
 def test_training_precision_check_scores_labels_against_the_rows_after_the_smoke_set():

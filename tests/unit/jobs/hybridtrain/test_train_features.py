@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hybridtrain.errors import FeatureDataError
-from hybridtrain.features import holdout_mask, read_feature_partitions
+from hybridtrain.features import HOLDOUT_BUCKETS, holdout_mask, read_feature_partitions
 
 COLUMNS = ["spend_30d", "visits_7d"]
 
@@ -53,7 +54,7 @@ def test_training_reads_partitions_in_ds_and_customer_order(tmp_path):
     )
     data = read_feature_partitions(str(tmp_path), ("2026-01-01", "2026-01-02"))
     assert data.feature_columns == ("spend_30d", "visits_7d")
-    assert data.customer_ids.tolist() == ["c0", "c1", "c2", "c1", "c3"]
+    assert data.customer_ids.to_pylist() == ["c0", "c1", "c2", "c1", "c3"]
     assert data.labels.tolist() == [0, 1, 0, 0, 1]
     assert data.features.dtype == np.float32
     assert data.features.tolist() == [[0.5, 0], [1.0, 1], [2.0, 2], [1.5, 1], [3.5, 3]]
@@ -176,3 +177,16 @@ def test_training_holdout_is_a_stable_hash_of_customer_id():
 
 
 PINNED_HOLDOUT_OF_FIRST_12 = [7, 8]
+
+
+def test_training_holdout_hash_is_the_rule_for_ids_of_any_length():
+    """Hashed from Arrow's bytes: empty, multibyte, long ids and chunked or sliced arrays follow HOLDOUT_RULE."""
+    rng = np.random.default_rng(3)
+    alphabet = list("abcXYZ019-_é€😀")
+    ids = ["", "c1", "é€😀", "w" * 300] + ["".join(rng.choice(alphabet, size=rng.integers(0, 40))) for _ in range(2000)]
+    expected = np.array([int.from_bytes(hashlib.blake2b(i.encode(), digest_size=8).digest(), "big") % HOLDOUT_BUCKETS
+                         < 2000 for i in ids])
+    chunked = pa.chunked_array([pa.array(ids[:1000], pa.large_string()), pa.array(ids[1000:], pa.large_string())])
+    assert np.array_equal(holdout_mask(chunked, 0.2), expected)
+    assert np.array_equal(holdout_mask(pa.array(ids, pa.string()).slice(3, 500), 0.2), expected[3:503])
+    assert np.array_equal(holdout_mask(ids + ids[:50], 0.2), np.r_[expected, expected[:50]]), "repeated ids"

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 from hybridtrain.config import ModelSpec
+from hybridtrain.loop_window import LoopWindow
 from hybridtrain.metrics import TOKEN_DEFINITION, run_metrics
 from hybridtrain.plan import TrainingPlan
 from hybridtrain.progress import ProgressReporter, read_progress
@@ -79,18 +80,27 @@ def test_run_metrics_account_for_the_finished_run(tmp_path):
     state = TrainingState(step=60, resumed_from=40, last_checkpoint=60, train_wall_prior_s=2.0)
     state.loss_curve, state.last_loss = [[50, 0.5], [60, 0.4]], 0.4
     state.evaluation = {"step": 60, "auc": 0.8, "log_loss": 0.45, "rows": 100, "positives": 30}
+    state.end_loop()
     engine = {"version": "0.19.8", "nodes": 1, "ranks": [], "device": "cpu", "dtype": "float32",
               "precision": "fp32", "gradient_clipping_by": "deepspeed", "fused_optimizer": False}
+    clock = iter([100.0, 101.0, 103.0]).__next__
+    loop = LoopWindow(clock)
+    for step in (40, 50, 60):  # the resumed attempt's timed steps: 20 steps in 3 s
+        loop.mark(step)
+    train_wall_s = state.train_wall_s()
     metrics = run_metrics(config=config, plan=PLAN, data=data, state=state, restarts=1, wall_time_s=12.5,
-                          time_split_s={"training_steps": 3.0}, n_parameters=50, n_trainable=50, engine=engine,
-                          torch_version="2.x", exported={"dir": "export"})
+                          time_split_s={"training_steps": 3.0}, loop=loop, n_parameters=50, n_trainable=50,
+                          engine=engine, torch_version="2.x", exported={"dir": "export"})
     assert metrics["holdout"] == {"auc": 0.8, "log_loss": 0.45, "rows": 100, "positives": 30, "fraction": 0.2,
                                   "rule": metrics["holdout"]["rule"]}
     assert metrics["train"] == {"rows": 4, "positives": 2, "final_loss": 0.4}
     assert metrics["loss_curve"] == [{"step": 50, "loss": 0.5}, {"step": 60, "loss": 0.4}]
     assert metrics["train_rows_processed"] == metrics["train_tokens_processed"] == 60 * PLAN.rows_per_step
     assert metrics["token_definition"] == TOKEN_DEFINITION and metrics["restarts"] == 1
-    assert metrics["train_wall_time_s"] >= 2.0 and metrics["samples_per_s"] > 0
+    assert metrics["train_wall_time_s"] == train_wall_s >= 2.0, "the loop's end, not when metrics.json is written"
+    assert metrics["samples_per_s"] == metrics["loop"]["rows_per_s"] == round(20 * PLAN.rows_per_step / 3.0, 2)
+    timed = metrics["loop"]
+    assert (timed["from_step"], timed["to_step"], timed["step_ms_median"]) == (40, 60, 150.0)
     assert metrics["deepspeed"] == engine | {"zero_stage": 2, "world_size": 2, "collective_timeout_s": 600,
                                              "config": "/etc/zero2.json", "requested_precision": "auto"}
     assert metrics["model"] == {"preset": "tiny", "hidden_sizes": [8, 4], "dropout": 0.0, "n_parameters": 50}

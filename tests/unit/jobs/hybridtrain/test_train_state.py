@@ -24,6 +24,9 @@ def test_training_wall_time_counts_earlier_attempts_and_this_loop_only():
     state.start_loop()
     clock.now += 2.0004
     assert state.train_wall_s() == 9.5
+    state.end_loop()
+    clock.now += 5.0  # the export and metrics.json: not training time
+    assert state.train_wall_s() == 9.5
 
 
 def test_logged_losses_build_the_curve_and_a_diverged_loss_ends_the_run():
