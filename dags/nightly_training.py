@@ -207,6 +207,7 @@ with DAG(
 
             prepared_run = prepare_training(config, ds, run_id, params)
             print(f"Evaluation placement: {prepared_run['evaluation_placement']['reason']}")
+            print(f"Training strategy: {prepared_run['training_strategy']}")
             return prepared_run
 
         prepared = prepare()

@@ -70,6 +70,9 @@ PHASES: dict[str, dict[str, tuple[str, ...]]] = {
             "tests/integration/test_backfill_never_starts_a_night.py",  # an Airflow of its own, on SQLite
             "tests/integration/test_spark_stages.py", "tests/reliability/test_data_faults.py",
             "tests/integration/test_training_job.py",  # on this machine's cores: no service at all
+            # DeepSpeed trainings in process (2 ranks each): beside the users' latency gates they took both cores
+            "tests/unit/jobs/hybridtrain/test_train_host_syncs.py",
+            "tests/unit/jobs/hybridtrain/test_train_in_process.py",
         ),
     },
     "outages": {

@@ -123,8 +123,11 @@ class NightlyConfig:
     nodes: int = 1
     gpus_per_node: int = 1
     # DeepSpeed: ZeRO stage (include/deepspeed/zero<stage>.json) and micro-batches per optimizer step; the global
-    # batch is batch_size x gradient_accumulation_steps x nodes x gpus_per_node.
-    zero_stage: int = 1
+    # batch is batch_size x gradient_accumulation_steps x nodes x gpus_per_node. zero_stage None (null): by the
+    # run's topology, zero_stage_one_node or zero_stage_several_nodes (pipeline/nightly.py zero_stage_for).
+    zero_stage: int | None = None
+    zero_stage_one_node: int = 0
+    zero_stage_several_nodes: int = 1
     gradient_accumulation_steps: int = 1
     cpus_per_task: int = 2
     torch_threads: int = 1
@@ -157,9 +160,12 @@ class NightlyConfig:
                     "cpus_per_task", "torch_threads", "time_limit_min", "max_active_runs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where}.{key}: {getattr(self, key)}; expected a positive integer")
-        if self.zero_stage not in ZERO_STAGES:
-            stages = ", ".join(map(str, ZERO_STAGES))
-            raise ConfigError(f"{where}.zero_stage: {self.zero_stage}; choose one of {stages}")
+        stages = ", ".join(map(str, ZERO_STAGES))
+        for key in ("zero_stage", "zero_stage_one_node", "zero_stage_several_nodes"):
+            value = getattr(self, key)
+            if not (value is None and key == "zero_stage") and value not in ZERO_STAGES:
+                by_topology = " or null (by the run's topology)" if key == "zero_stage" else ""
+                raise ConfigError(f"{where}.{key}: {value}; choose one of {stages}{by_topology}")
         if not 0 <= self.min_auc_gain < 1:
             raise ConfigError(f"{where}.min_auc_gain: {self.min_auc_gain}; expected a value in [0, 1)")
         if not self.learning_rate > 0:

@@ -137,6 +137,10 @@ def airflow_env() -> dict[str, str]:
         # 55-58% while the test suite loads the cores (measured 2026-12-04, 2 nodes x 1 rank): latency, not a network
         # fault, so the local limit leaves room for it.
         "HYBRIDFLOW_MAX_ALLREDUCE_SHARE": "0.75",
+        # The realtime SLO of the gates (50 ms in production): on 2 shared cores while the suite's lanes load them
+        # the deploy gate measured a 1-ms model's p99 at 170-350 ms (p50 30-57 ms) on the serving version and the
+        # candidate alike (2026-12-07). 50 ms held every release there: the judge was right, the box is too small.
+        "HYBRIDFLOW_SLO_P99_MS": "500",
         # node-local scratch of each Slurm node (the same disk here), probed by the node self-check
         "HYBRIDFLOW_NODE_SCRATCH_DIR": f"{P.node_scratch}/%n",
         # MLflow's client reads these: the tracking server, and Airflow's own MLflow account (not the admin).

@@ -34,6 +34,7 @@ FIGURES = {
                  "mean_gpu_utilization_pct": 83.5, "restarts": 1, "healing": "preempted -> requeued",
                  "train_rows_processed": 4_000_000,
                  "auc": 0.81, "log_loss": 0.41, "step": 1000, "ranks": 8, "nodes": 2, "zero_stage": 2,
+                 "strategy": "ZeRO 2, bf16 (float32 weights) on cuda, fused AdamW, clipping by loop",
                  "rank_placement": "0@gpu-node-01, 1@gpu-node-01, 2@gpu-node-02", "allreduce_share_in_job": 0.12,
                  "allreduce_preflight": "all-reduce 9.0 ms vs compute 80.0 ms per step = 10.1% of a step",
                  "gpu_utilization_per_gpu": "gpu-node-01:0 84%, gpu-node-02:0 83%",

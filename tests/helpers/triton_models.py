@@ -151,9 +151,9 @@ DEPLOY_DAG = textwrap.dedent('''
 LOADED_MACHINE_SLO_P99_MS = 1000
 
 
-def deploy_dag(dag_id: str, export_dir: Path, model: str, repository: str, gate_requests: int = 200,
+def deploy_dag(dag_id: str, export_dir: Path, model: str, repository: str, gate_requests: int = 100,
                readiness_timeout_s: float = 120, slo_p99_ms: float = LOADED_MACHINE_SLO_P99_MS,
-               release: dict | None = None, gate_warmup_requests: int = 20) -> str:
+               release: dict | None = None, gate_warmup_requests: int = 10) -> str:
     """The source of DAG ``dag_id``: one TritonDeployOperator task ``deploy`` of ``export_dir`` as ``model``;
     ``release``: :class:`~hybridflow.config.ReleaseConfig`'s fields (default: direct, promoted after the gates)."""
     return DEPLOY_DAG.format(dag_id=dag_id, export_dir=export_dir, model=model, repository=repository,

@@ -192,16 +192,16 @@ def test_progressive_deploys_roll_back_a_shifted_and_a_slow_candidate_and_promot
 
         slow_export = make_export(tmp_path / "slow", 1, kind="close")
         assert publish_slow_version(repository, model, slow_export, sleep_ms=150) == 3
-        # The gate measures the slow version under concurrency 4: give it room, so the release's p99 judges it.
-        slow = deploy("slow", slow_export, slo_p99_ms=5000, gate_requests=8, gate_warmup_requests=0)
+        # The gate's SLO wide open: its like-with-like check stops it, the same load on version 1 beside it at the
+        # same time, before any real traffic (the release steps' own latency checks: tests/unit/utils/test_release.py
+        # and `make bench BENCH=release_judge`).
+        slow = deploy("slow", slow_export, slo_p99_ms=5000, gate_requests=16, gate_warmup_requests=0)
         assert slow["state"] == "failed"
         report = slow["tasks"]["deploy"]["xcom"]["deploy_report"]
-        assert report["version"] == 3 and report["promoted"] is False
-        # 150 ms a request against a few: the median's ratio bound alone says so, from the first requests
-        step = report["release"]["steps"][-1]
-        assert step["outcome"] == "fail" and "p50 ratio >= " in report["reason"], report["reason"]
-        assert step["figures"]["p50_ratio_low"] > 1.5 and step["figures"]["p99_ms"] > RELEASE["max_p99_ms"]
-        assert any(line.startswith("fail: p50 ratio >= ") for line in step["checks"]), step["checks"]
+        assert report["version"] == 3 and report["promoted"] is False and report["release"] is None
+        assert report["reason"].startswith("latency gate failed: p50 ratio >= "), report["reason"]
+        assert report["latency"]["baseline"]["version"] == 1
+        assert "fail: p50 ratio >= " in report["latency"]["decision"], report["latency"]
         assert ready_versions(model) == [1]
 
         good = deploy("good", make_export(tmp_path / "good", 1, kind="close", variant=1))

@@ -32,9 +32,13 @@ def write(tmp_path, data) -> Path:
 
 def test_config_checked_in_file_loads(monkeypatch):
     monkeypatch.delenv("HYBRIDFLOW_MAX_ALLREDUCE_SHARE", raising=False)  # the local stack raises it for gloo
+    monkeypatch.delenv("HYBRIDFLOW_SLO_P99_MS", raising=False)  # and the SLO, for its 2 shared cores
     config = load_pipeline_config()
     assert config.cluster.partition == "gpu-training"
     assert config.preflight.max_allreduce_share == 0.2
+    assert config.serving.slo_p99_ms == config.serving.release.max_p99_ms == 50
+    monkeypatch.setenv("HYBRIDFLOW_SLO_P99_MS", "500")
+    assert load_pipeline_config().serving.release.max_p99_ms == 500
 
 
 def test_config_env_references_are_expanded(tmp_path, monkeypatch):
@@ -149,6 +153,9 @@ def mutate(path: str, value):
         ("serving.release.max_error_rate", 2, "serving.release.max_error_rate: 2.0; expected a number in (0, 1]"),
         ("serving.release.max_p99_ms", "fast", "serving.release.max_p99_ms: expected float, got str 'fast'"),
         ("serving.release.canary", 10, "pipeline.serving.release: unknown key(s) canary"),
+        ("nightly.zero_stage", 4, "pipeline.nightly.zero_stage: 4; choose one of 0, 1, 2, 3 or null (by the run's"),
+        ("nightly.zero_stage_one_node", None, "nightly.zero_stage_one_node: expected int, got NoneType"),
+        ("nightly.zero_stage_several_nodes", -1, "nightly.zero_stage_several_nodes: -1; choose one of 0, 1, 2, 3"),
         ("serving.release.latency_quantiles", [99, 50], "serving.release.latency_quantiles: (99, 50); give increasing"),
         ("serving.release.latency_quantiles", 99, "serving.release.latency_quantiles: expected a list, got int"),
         ("serving.release.confidence", 1.0, "serving.release.confidence: 1.0; expected a probability in [0.5, 1)"),

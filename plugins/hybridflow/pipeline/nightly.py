@@ -96,6 +96,32 @@ def should_deploy(mode: str, promoted_version: int | None, champion_version: int
     return False, f"the champion v{champion_version} is unchanged (the server has {serving})"
 
 
+def zero_stage_for(forced: int | None, nodes: int, one_node: int, several_nodes: int) -> tuple[int, str]:
+    """The ZeRO stage of a training run and why. Precision (bf16 autocast on GPUs with bf16, float32 elsewhere),
+    the optimizer (AdamW, torch's fused kernel on CUDA) and clipping (on the device, before each optimizer step)
+    the job picks from its device (jobs/hybridtrain/config.py); the stage depends on the topology: the ranks of one
+    node all-reduce over its own links, where ZeRO's partitioning only adds collectives and host syncs; across
+    nodes, sharding the optimizer state costs no more traffic than an all-reduce."""
+    if forced is not None:
+        return forced, f"ZeRO stage {forced}: nightly.zero_stage forces it"
+    if nodes <= 1:
+        return one_node, f"ZeRO stage {one_node}: one node (nightly.zero_stage_one_node)"
+    return several_nodes, f"ZeRO stage {several_nodes}: {nodes} nodes (nightly.zero_stage_several_nodes)"
+
+
+def strategy_text(deepspeed: Mapping[str, Any]) -> str | None:
+    """What the job chose, from its metrics.json ``deepspeed``: ``ZeRO 0, bf16 (autocast over float32 weights) on
+    cuda, fused AdamW, clipping by loop``."""
+    if not deepspeed or deepspeed.get("zero_stage") is None:
+        return None
+    precision = deepspeed.get("precision") or deepspeed.get("requested_precision") or "?"
+    dtype = f" ({deepspeed['dtype']} weights)" if deepspeed.get("dtype") else ""
+    optimizer = "fused AdamW" if deepspeed.get("fused_optimizer") else "AdamW"
+    clipping = f", clipping by {deepspeed['gradient_clipping_by']}" if deepspeed.get("gradient_clipping_by") else ""
+    return (f"ZeRO {deepspeed['zero_stage']}, {precision}{dtype} on {deepspeed.get('device') or '?'}, "
+            f"{optimizer}{clipping}")
+
+
 def features_figures(manifest: Mapping[str, Any] | None, executor_cores: int) -> dict[str, Any] | None:
     if not manifest:
         return None
@@ -150,6 +176,7 @@ def training_figures(result: Mapping[str, Any] | None, metrics: Mapping[str, Any
         "nodes": summary.get("nodes"),
         "rank_placement": ", ".join(summary.get("ranks") or []) or None,
         "zero_stage": summary.get("zero_stage"),
+        "strategy": strategy_text(metrics.get("deepspeed") or {}),
         "allreduce_share_in_job": summary.get("allreduce_share_in_job"),
         "allreduce_preflight": preflight,
         "gpu_utilization_per_gpu": per_gpu_text(summary.get("gpus_sampled")),

@@ -69,6 +69,8 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
     run_dir = config.storage.layout.training_run(ds, run_id).for_generation(retrain).root
     code = Path(config.cluster.jobs_dir).parent
     cfg = config.nightly
+    zero_stage, strategy = nightly.zero_stage_for(cfg.zero_stage, int(params.get("nodes", cfg.nodes)),
+                                                  cfg.zero_stage_one_node, cfg.zero_stage_several_nodes)
     run_config = {
         "run_id": run_id,
         "labels": {"dag_id": "nightly_training", "ds": ds, "retrain": retrain},
@@ -83,8 +85,8 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
         "keep_last_checkpoints": 3,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "seed": 42,
-        "zero_stage": cfg.zero_stage,
-        "deepspeed_config": f"{code}/include/deepspeed/zero{cfg.zero_stage}.json",
+        "zero_stage": zero_stage,
+        "deepspeed_config": f"{code}/include/deepspeed/zero{zero_stage}.json",
         "torch_threads": cfg.torch_threads,
     }
     champion = model_registry(config).champion()
@@ -99,6 +101,7 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
         "eval_partition": evaluation.partition,
         "eval_gpus": evaluation.gpus_per_node,
         "evaluation_placement": evaluation.as_dict(),
+        "training_strategy": strategy,
     }
 
 

@@ -9,8 +9,10 @@ from hybridflow.pipeline.nightly import (
     placement_figures,
     plan_run,
     should_deploy,
+    strategy_text,
     training_figures,
     training_window,
+    zero_stage_for,
 )
 
 
@@ -177,3 +179,24 @@ def test_placement_figures_for_the_report():
 ])
 def test_the_report_says_what_healed_the_training_job(records, text):
     assert training_figures({"job_id": "7", "recovery": records}, None)["healing"] == text
+
+
+@pytest.mark.parametrize(("forced", "nodes", "stage", "why"), [
+    (None, 1, 0, "ZeRO stage 0: one node (nightly.zero_stage_one_node)"),
+    (None, 2, 1, "ZeRO stage 1: 2 nodes (nightly.zero_stage_several_nodes)"),
+    (None, 16, 1, "ZeRO stage 1: 16 nodes (nightly.zero_stage_several_nodes)"),
+    (2, 1, 2, "ZeRO stage 2: nightly.zero_stage forces it"),
+    (0, 8, 0, "ZeRO stage 0: nightly.zero_stage forces it"),
+])
+def test_the_zero_stage_follows_the_topology_unless_forced(forced, nodes, stage, why):
+    assert zero_stage_for(forced, nodes, one_node=0, several_nodes=1) == (stage, why)
+
+
+@pytest.mark.parametrize(("deepspeed", "text"), [
+    ({"zero_stage": 0, "precision": "bf16", "dtype": "float32", "device": "cuda", "fused_optimizer": True,
+      "gradient_clipping_by": "loop"}, "ZeRO 0, bf16 (float32 weights) on cuda, fused AdamW, clipping by loop"),
+    ({"zero_stage": 1, "requested_precision": "auto", "device": "cpu"}, "ZeRO 1, auto on cpu, AdamW"),
+    ({}, None), ({"precision": "fp32"}, None),
+])
+def test_the_report_says_what_the_job_chose(deepspeed, text):
+    assert strategy_text(deepspeed) == text

@@ -73,6 +73,7 @@ SECTIONS: dict[str, tuple[str, tuple[Field, ...]]] = {
         ("nodes", "nodes", "Nodes", "count", "nodes"),
         ("rank_placement", "rank_placement", "Rank placement (rank@node)", "text", None),
         ("zero_stage", "zero_stage", "ZeRO stage", "count", None),
+        ("strategy", "strategy", "Training strategy (what the job chose)", "text", None),
         ("allreduce_share_in_job", "allreduce_share_in_job", "All-reduce share of a step, measured in the job",
          "number", "ratio"),
         ("allreduce_preflight", "allreduce_preflight", "All-reduce preflight (same topology)", "text", None),
