@@ -445,3 +445,11 @@ class OnCallNotifier(BaseNotifier):
                 raise
             self.log.info("On-call alert sent to the webhook of connection %s (HTTP %s)", self.sink_conn_id,
                           status)
+
+
+def send_task_alert(ti: Any, alerts: Any, *, kind: str, error: str, details: str, job_id: Any = None) -> None:
+    """An on-call alert about something task instance ``ti`` did (a stall, a node left out, a release held),
+    through the sinks of ``alerts`` (the pipeline config's ``alerts`` section, which the caller reads)."""
+    alert = build_alert(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, try_number=ti.try_number,
+                        error=error, job_id=job_id, remote_log_tail=details, log_lines=alerts.log_lines, kind=kind)
+    OnCallNotifier(sink_conn_id=alerts.sink_conn_id or None, dedup_window_s=alerts.dedup_window_s).send(alert)

@@ -514,15 +514,11 @@ class SlurmSubmitOperator(BaseOperator):
     def _alert(self, kind: str, what: str, details: str) -> None:
         """An on-call alert about something this task did (best effort: never fails the task)."""
         from hybridflow.config import pipeline_config
-        from hybridflow.notifiers.oncall import OnCallNotifier, build_alert
+        from hybridflow.notifiers.oncall import send_task_alert
 
-        alerts = pipeline_config().alerts
-        ti = self._context["ti"]
         try:
-            alert = build_alert(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, try_number=ti.try_number,
-                                error=what, job_id=self.job_id, remote_log_tail=details, log_lines=alerts.log_lines,
-                                kind=kind)
-            OnCallNotifier(sink_conn_id=alerts.sink_conn_id or None, dedup_window_s=alerts.dedup_window_s).send(alert)
+            send_task_alert(self._context["ti"], pipeline_config().alerts, kind=kind, error=what, details=details,
+                            job_id=self.job_id)
         except Exception as exc:  # noqa: BLE001
             self.log.warning("could not send the on-call alert (%s): %s", exc, what)
 

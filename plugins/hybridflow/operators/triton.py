@@ -556,14 +556,11 @@ class TritonDeployOperator(TritonServingOperator):
     def _alert_held(self, context: Context, message: str, details: Sequence[str]) -> None:
         """On-call hears of a judgement held for the machine (best effort: never fails the task itself)."""
         from hybridflow.config import pipeline_config
-        from hybridflow.notifiers.oncall import RELEASE_HELD, OnCallNotifier, build_alert
+        from hybridflow.notifiers.oncall import RELEASE_HELD, send_task_alert
 
-        alerts, ti = pipeline_config().alerts, context["ti"]
         try:
-            OnCallNotifier(sink_conn_id=alerts.sink_conn_id or None, dedup_window_s=alerts.dedup_window_s).send(
-                build_alert(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, try_number=ti.try_number,
-                            error=message, remote_log_tail="\n".join(details), log_lines=alerts.log_lines,
-                            kind=RELEASE_HELD))
+            send_task_alert(context["ti"], pipeline_config().alerts, kind=RELEASE_HELD, error=message,
+                            details="\n".join(details))
         except Exception as exc:  # noqa: BLE001 - the task's own failure still says it
             self.log.warning("could not send the on-call alert (%s)", exc)
 
