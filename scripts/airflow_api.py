@@ -95,3 +95,14 @@ def task_states(api: AirflowApi, dag_id: str, run_id: str) -> dict[str, str]:
 def xcom(api: AirflowApi, dag_id: str, run_id: str, task_id: str, key: str = "return_value"):
     """One XCom value of a task instance of a run, deserialized by the API."""
     return api.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}")["value"]
+
+
+def task_log(api: AirflowApi, dag_id: str, run_id: str, task_id: str, last: int = 40) -> str:
+    """The last lines of a task instance's log, every try, as the UI shows them (for a failure's message)."""
+    path = f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}"
+    lines = []
+    for try_number in range(1, api.get(path)["try_number"] + 1):
+        for entry in api.get(f"{path}/logs/{try_number}")["content"]:
+            if entry.get("timestamp"):  # the source-details group has none
+                lines.append(f"try {try_number} {entry['timestamp'][11:19]} {entry['event']}")
+    return "\n".join(lines[-last:])

@@ -25,6 +25,7 @@ becomes ``F`` with the lane's name before its suffix. Exits non-zero when any la
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -92,6 +93,7 @@ PHASES: dict[str, dict[str, tuple[str, ...]]] = {
 LANES = tuple(lane for lanes in PHASES.values() for lane in lanes)
 UNLISTED_LANE = "control-plane"
 NO_TESTS_COLLECTED = 5  # pytest's exit code
+DIGEST_LINES = 40  # of each failure, printed again after every lane has ended
 
 
 def covers(prefix: str, test_id: str) -> bool:
@@ -189,8 +191,30 @@ def main(args: list[str]) -> int:
     codes: dict[str, int] = {}
     for phase in PHASES:  # every phase runs, whatever the one before it found: CI shows every failure at once
         codes |= run_phase(phase, lanes, args, log_dir, started)
+    for lane, code in codes.items():  # again at the end: CI keeps the tail, where a lane's failures were cut
+        if code not in (0, NO_TESTS_COLLECTED):
+            print(f"\n[lanes] {lane} failed (exit {code}):\n"
+                  f"{failure_digest((log_dir / f'{lane}.log').read_text(errors='replace'))}", flush=True)
     print(f"\n[lanes] exit codes {codes}, {time.monotonic() - started:.0f} s in all", flush=True)
     return exit_code(codes)
+
+
+def failure_digest(log: str, lines_per_failure: int = DIGEST_LINES) -> str:
+    """Each failure of a pytest log in its last lines (where the assertion and its message are), then the short
+    summary; the whole log when pytest printed no failures section (a crash, a stack that did not come up)."""
+    failures = re.search(r"^=+ FAILURES =+$(.*?)(?=^=+ [a-z][^=]* =+$)", log, re.M | re.S)
+    summary = re.search(r"^=+ short test summary info =+$(.*)", log, re.M | re.S)
+    if not failures:
+        return "\n".join(log.splitlines()[-lines_per_failure:])
+    parts = re.split(r"^(_{3,} .+ _{3,})$", failures.group(1), flags=re.M)
+    digest = []
+    for title, body in zip(parts[1::2], parts[2::2], strict=True):
+        body_lines = body.strip("\n").splitlines()
+        cut = len(body_lines) - lines_per_failure
+        digest += [title, *([f"[... {cut} lines]"] if cut > 0 else []), *body_lines[-lines_per_failure:]]
+    if summary:
+        digest += [line for line in summary.group(1).splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return "\n".join(digest)
 
 
 def exit_code(codes: dict[str, int]) -> int:

@@ -17,7 +17,7 @@ import uuid
 
 import numpy as np
 import pytest
-from airflow_api import task_states, trigger, wait_for_run, xcom
+from airflow_api import task_log, task_states, trigger, wait_for_run, xcom
 from helpers.rest import call
 from helpers.triton_models import N_FEATURES, infer, make_export, publish_and_serve, ready_versions, remove_model
 from hybridflow.hooks.model_repository import LocalModelRepository
@@ -64,9 +64,10 @@ def awaiting_input(api, run_id: str, timeout_s: float = 240) -> float:
             return time.monotonic()
         if states.get("deploy_model") in ("failed", "upstream_failed") or states.get("needs_approval") == "success" \
                 and states.get("approve_release") == "skipped":
-            pytest.fail(f"the release did not ask: {states}")
+            pytest.fail(f"the release did not ask: {states}\n{task_log(api, DAG, run_id, 'deploy_model')}")
         time.sleep(1)
-    pytest.fail(f"approve_release did not await input within {timeout_s:.0f} s: {task_states(api, DAG, run_id)}")
+    pytest.fail(f"approve_release did not await input within {timeout_s:.0f} s: {task_states(api, DAG, run_id)}\n"
+                f"{task_log(api, DAG, run_id, 'deploy_model')}")
 
 
 def hitl(run_id: str) -> str:

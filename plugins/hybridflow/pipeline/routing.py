@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.config import (
+    ENV_REF,
     PipelineConfig,
     build,
     check_integer,
@@ -29,6 +30,8 @@ from hybridflow.config import (
     check_number,
     check_one_of,
     check_text,
+    expand_env,
+    from_environment,
     read_yaml,
 )
 from hybridflow.exceptions import ConfigError, WorkloadSpecError
@@ -276,6 +279,9 @@ def _condition(metric: str, data: Any, where: str) -> Condition:
     ((operator, threshold),) = data.items()
     if operator not in OPERATORS:
         raise ConfigError(f"{where}: unknown operator {operator!r}; use {', '.join(OPERATORS)}")
+    if isinstance(threshold, str) and ENV_REF.fullmatch(threshold):
+        # ${VAR:-default}, as in pipeline.yaml: the router's realtime budget is the SLO's own variable
+        threshold = from_environment(expand_env(threshold, f"{where}.{operator}"), float)
     return Condition(metric, operator, check_number(threshold, f"{where}.{operator}"))
 
 

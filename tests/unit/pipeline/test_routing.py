@@ -250,6 +250,10 @@ def test_routing_hostile_config_values_stay_one_inert_argv_element(hostile):
          "use gte, gt, lte, lt"),
         (lambda d: d["workloads"]["batch_inference"]["rules"][0]["when"].update(gpu_speedup={"gte": "5"}),
          "rules[0].when.gpu_speedup.gte: '5'; expected a number"),
+        (lambda d: d["workloads"]["batch_inference"]["rules"][0]["when"].update(gpu_speedup={"gte": "${NO_SUCH_VAR}"}),
+         "rules[0].when.gpu_speedup.gte: environment variable NO_SUCH_VAR is not set and has no default"),
+        (lambda d: d["workloads"]["batch_inference"]["rules"][0]["when"].update(gpu_speedup={"gte": "${X:-fast}"}),
+         "rules[0].when.gpu_speedup.gte: 'fast'; expected a number"),
         (lambda d: d["workloads"]["batch_inference"]["rules"][0]["when"].update(gpu_hours={"gte": 5}),
          "rules[0].when.gpu_hours: unknown profile figure 'gpu_hours'"),
         (lambda d: d["workloads"]["batch_inference"]["rules"][0].pop("why"),
@@ -314,11 +318,17 @@ def test_routing_rules_file_that_is_not_yaml_names_the_file(tmp_path):
         load_routing_rules(path)
 
 
-def test_routing_realtime_budget_matches_the_serving_slo():
+@pytest.mark.parametrize("stack_slo", [None, "500"])
+def test_routing_realtime_budget_matches_the_serving_slo(monkeypatch, stack_slo):
+    """One budget: the router's realtime rules follow serving.slo_p99_ms, also where the local stack raises it."""
+    if stack_slo is None:
+        monkeypatch.delenv("HYBRIDFLOW_SLO_P99_MS", raising=False)
+    else:
+        monkeypatch.setenv("HYBRIDFLOW_SLO_P99_MS", stack_slo)
     slo = load_pipeline_config().serving.slo_p99_ms
-    realtime = RULES.workloads["realtime_inference"]
+    realtime = load_routing_rules().workloads["realtime_inference"]
     thresholds = {c.threshold for rule in realtime.rules for c in rule.conditions if c.metric == "cpu_p99_ms"}
-    assert thresholds == {slo}
+    assert thresholds == {slo} == {float(stack_slo or 50)}
 
 
 # A workload naming a preset routes by nightly_training's placement rule (pipeline.yaml placement).

@@ -111,3 +111,51 @@ def test_each_lane_writes_its_own_report(args, expected):
 ])
 def test_the_runs_exit_code(codes, expected):
     assert test_lanes.exit_code(codes) == expected
+
+
+PYTEST_LOG = """\
+tests/a.py .F.                                                        [100%]
+
+=================================== FAILURES ===================================
+_________________________________ test_short __________________________________
+
+    def test_short():
+>       assert 1 == 2
+E       assert 1 == 2
+
+tests/a.py:3: AssertionError
+__________________________ test_long[case-1] ___________________________
+{long}
+E       Failed: the release did not ask: {{'deploy_model': 'failed'}}
+
+tests/b.py:9: Failed
+=============================== warnings summary ===============================
+tests/a.py::test_x
+  DeprecationWarning: old
+============================= slowest 25 durations =============================
+1.00s call     tests/a.py::test_short
+=========================== short test summary info ============================
+SKIPPED [1] tests/c.py:4: root
+FAILED tests/a.py::test_short - assert 1 == 2
+FAILED tests/b.py::test_long[case-1] - Failed: the release did not ask
+= 2 failed, 1 passed in 3.00s =
+""".format(long="\n".join(f"    line {i}" for i in range(100)))
+
+
+def test_the_failure_digest_keeps_each_failures_end_and_the_summary_for_the_tail_ci_shows():
+    digest = test_lanes.failure_digest(PYTEST_LOG, lines_per_failure=5).splitlines()
+    assert digest == [
+        "_________________________________ test_short __________________________________",
+        "    def test_short():", ">       assert 1 == 2", "E       assert 1 == 2", "", "tests/a.py:3: AssertionError",
+        "__________________________ test_long[case-1] ___________________________",
+        "[... 98 lines]", "    line 98", "    line 99",
+        "E       Failed: the release did not ask: {'deploy_model': 'failed'}", "", "tests/b.py:9: Failed",
+        "FAILED tests/a.py::test_short - assert 1 == 2",
+        "FAILED tests/b.py::test_long[case-1] - Failed: the release did not ask",
+    ]
+
+
+def test_the_failure_digest_of_a_log_without_failures_is_its_tail():
+    log = "\n".join(f"[localstack] line {i}" for i in range(50)) + "\nERROR: slurmctld did not come up"
+    assert test_lanes.failure_digest(log, lines_per_failure=3).splitlines() == [
+        "[localstack] line 48", "[localstack] line 49", "ERROR: slurmctld did not come up"]
