@@ -159,7 +159,7 @@ def run_phase(phase: str, lanes: dict[str, list[str]], args: list[str], log_dir:
     # The lanes' sessions bring nothing up themselves (tests/conftest.py's stack fixture): one lane's up could
     # restart a service another lane's test took down on purpose.
     env = dict(os.environ, HYBRIDFLOW_STACK_UP_BY_LANES="1")
-    running, codes = {}, {}
+    running, codes, cpu = {}, {}, CpuTally()
     for lane in PHASES[phase]:
         if not lanes[lane]:
             continue
@@ -170,6 +170,7 @@ def run_phase(phase: str, lanes: dict[str, list[str]], args: list[str], log_dir:
         print(f"[lanes] {phase}/{lane}: {files} files or tests, log {log_dir / lane}.log", flush=True)
     while running:
         time.sleep(2)
+        cpu.sample()
         for lane, (process, log) in list(running.items()):
             if process.poll() is None:
                 continue
@@ -180,7 +181,74 @@ def run_phase(phase: str, lanes: dict[str, list[str]], args: list[str], log_dir:
                   flush=True)
             sys.stdout.write((log_dir / f"{lane}.log").read_text(errors="replace"))
             sys.stdout.flush()
+    print(f"[lanes] {phase}: {cpu.report()}", flush=True)
     return codes
+
+
+def process_cpu() -> dict[int, tuple[float, str]]:
+    """CPU seconds (user + system) of every live process, by pid, with :func:`command_label`."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            argv = Path(entry.path, "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # it ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        found[int(entry.name)] = ((int(fields[11]) + int(fields[12])) / ticks,
+                                  command_label(argv) or stat[stat.index("(") + 1:stat.rindex(")")])
+    return found
+
+
+def command_label(argv: list[str]) -> str:
+    """A process's program and what it runs, without paths, options or per-process details: ``python pytest``,
+    ``java Worker``, ``postgres: airflow``."""
+    words = [word for word in argv if word]
+    if len(words) == 1:  # a title the process set itself (postgres, airflow's api_server)
+        words = words[0].split()
+    if not words:
+        return ""
+    program, rest = Path(words[0]).name, [w for w in words[1:] if not w.startswith("-")]
+    main_class = [w.rsplit(".", 1)[-1] for w in rest if w.startswith("org.apache.")]
+    names = [Path(word).name.splitlines()[0] if word.strip() else "" for word in rest]
+    if program == "java" and main_class:
+        names = main_class[-1:]
+    elif program.startswith("python") and names and names[0] != "pytest":  # python airflow scheduler
+        names = names[:2]
+    return " ".join([program, *names[:1 if not program.startswith("python") or names[:1] == ["pytest"] else 2]])[:60]
+
+
+class CpuTally:
+    """Where a phase's CPU went, sampled every few seconds (processes shorter than a sample are missed): the
+    machine's busy cores on average and the commands that used most. The suite's lanes share 2 cores, so this
+    says what a slow phase waited for."""
+
+    def __init__(self):
+        self.started, self.busy_at_start = time.monotonic(), _busy_seconds()
+        self.last, self.by_command = process_cpu(), {}
+
+    def sample(self) -> None:
+        now = process_cpu()
+        for pid, (seconds, command) in now.items():
+            before = self.last.get(pid, (0.0, command))[0]
+            self.by_command[command] = self.by_command.get(command, 0.0) + max(0.0, seconds - before)
+        self.last = now
+
+    def report(self, top: int = 12) -> str:
+        wall = time.monotonic() - self.started
+        busy = (_busy_seconds() - self.busy_at_start) / wall
+        leaders = sorted(self.by_command.items(), key=lambda item: -item[1])[:top]
+        return (f"CPU busy {busy:.2f} of {os.cpu_count()} cores over {wall:.0f} s; most CPU-seconds: "
+                + "; ".join(f"{seconds:.0f} {command}" for command, seconds in leaders))
+
+
+def _busy_seconds() -> float:
+    """The machine's busy CPU seconds since boot (/proc/stat: all but idle and iowait)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def main(args: list[str]) -> int:

@@ -159,3 +159,17 @@ def test_the_failure_digest_of_a_log_without_failures_is_its_tail():
     log = "\n".join(f"[localstack] line {i}" for i in range(50)) + "\nERROR: slurmctld did not come up"
     assert test_lanes.failure_digest(log, lines_per_failure=3).splitlines() == [
         "[localstack] line 48", "[localstack] line 49", "ERROR: slurmctld did not come up"]
+
+
+@pytest.mark.parametrize("argv, label", [
+    (["/w/.venv/bin/python", "/w/.venv/bin/airflow", "scheduler", "--skip-serve-logs"], "python airflow scheduler"),
+    (["/usr/bin/python3", "-m", "pytest", "tests/unit/", "--durations=25"], "python3 pytest"),
+    (["/usr/lib/jvm/bin/java", "-cp", "/a:/b", "-Xmx1g", "org.apache.spark.deploy.worker.Worker", "--webui-port",
+      "0"], "java Worker"),
+    (["postgres: airflow airflow 127.0.0.1(50306) idle in transaction"], "postgres: airflow"),
+    (["/v/bin/tritonserver", "--model-repository=/r"], "tritonserver"),
+    (["python", "-c", "import json\nprint(1)", "arg"], "python import json arg"),
+    ([""], ""),
+])
+def test_cpu_tally_labels_a_process_by_program_and_what_it_runs(argv, label):
+    assert test_lanes.command_label(argv) == label
