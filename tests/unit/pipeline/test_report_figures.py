@@ -78,7 +78,7 @@ def test_report_with_every_figure_measured_lists_nothing_as_not_measured():
          "throughput_rps is 0"),
         ({"deploy__previous_version": None}, "deploy.previous_version", "no previous version (first deploy)"),
         ({"deploy__release": None}, "deploy.release_decision",
-         "no release steps (first deploy, or serving.release.strategy: direct)"),
+         "no release steps (first deploy, the version already served, or serving.release.strategy: direct)"),
         ({"evaluation__champion": None}, "evaluation.champion_auc", "no champion (first model)"),
         ({"evaluation__champion": ...}, "evaluation.champion_auc", "evaluation.champion.auc missing"),
         ({"quality": None}, "quality", "the quality stage did not run"),

@@ -69,6 +69,8 @@ def test_a_single_test_of_a_file_not_in_the_run_is_not_added():
     ("tests/integration/test_a_new_stage.py", "control-plane"),
     ("tests/integration/test_backfill_never_starts_a_night.py", "local"),  # an Airflow of its own on SQLite
     ("tests/integration/test_spark_stages.py", "local"),
+    ("tests/reliability/test_data_faults.py", "offline"),  # Spark on this machine, beside the outages
+    ("tests/unit/jobs/hybridtrain/test_train_host_syncs.py", "offline"),  # DeepSpeed in process
 ])
 def test_lane_of(test_id, lane):
     assert test_lanes.lane_of(test_id) == lane
@@ -129,6 +131,8 @@ __________________________ test_long[case-1] ___________________________
 E       Failed: the release did not ask: {{'deploy_model': 'failed'}}
 
 tests/b.py:9: Failed
+----------------------------- Captured stdout call -----------------------------
+a log line of the test, not its failure
 =============================== warnings summary ===============================
 tests/a.py::test_x
   DeprecationWarning: old

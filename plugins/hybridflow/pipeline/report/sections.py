@@ -159,7 +159,8 @@ NOT_MEASURED_WHEN_NONE: dict[str, dict[tuple[str, ...], str]] = {
                  ("time_split",): f"the job wrote no time split (time_split_s in {METRICS_FILE})"},
     "evaluation": {("champion", key): "no champion (first model)" for key in ("auc", "log_loss", "version")},
     "deploy": {("previous_version",): "no previous version (first deploy)",
-               ("release", "decision"): "no release steps (first deploy, or serving.release.strategy: direct)"},
+               ("release", "decision"): "no release steps (first deploy, the version already served, or "
+                                        "serving.release.strategy: direct)"},
     "record": {("model_version",): "no model was registered (the evaluation did not run)",
                ("model_uri",): "no model was registered (the evaluation did not run)",
                ("promoted",): "no model was registered (the evaluation did not run)"},
