@@ -69,8 +69,8 @@ def test_a_single_test_of_a_file_not_in_the_run_is_not_added():
     ("tests/integration/test_a_new_stage.py", "control-plane"),
     ("tests/integration/test_backfill_never_starts_a_night.py", "local"),  # an Airflow of its own on SQLite
     ("tests/integration/test_spark_stages.py", "local"),
-    ("tests/reliability/test_data_faults.py", "offline"),  # Spark on this machine, beside the outages
-    ("tests/unit/jobs/hybridtrain/test_train_host_syncs.py", "offline"),  # DeepSpeed in process
+    ("tests/reliability/test_data_faults.py", "local"),  # Spark on this machine
+    ("tests/unit/jobs/hybridtrain/test_train_host_syncs.py", "local"),  # DeepSpeed in process
 ])
 def test_lane_of(test_id, lane):
     assert test_lanes.lane_of(test_id) == lane
@@ -126,7 +126,7 @@ _________________________________ test_short __________________________________
 E       assert 1 == 2
 
 tests/a.py:3: AssertionError
-__________________________ test_long[case-1] ___________________________
+__ test_long_name_that_fills_the_terminal_line_to_its_end[case-1] ___
 {long}
 E       Failed: the release did not ask: {{'deploy_model': 'failed'}}
 
@@ -141,7 +141,7 @@ tests/a.py::test_x
 =========================== short test summary info ============================
 SKIPPED [1] tests/c.py:4: root
 FAILED tests/a.py::test_short - assert 1 == 2
-FAILED tests/b.py::test_long[case-1] - Failed: the release did not ask
+FAILED tests/b.py::test_long_name_that_fills_the_terminal_line_to_its_end[case-1] - Failed: the release did not ask
 = 2 failed, 1 passed in 3.00s =
 """.format(long="\n".join(f"    line {i}" for i in range(100)))
 
@@ -151,11 +151,11 @@ def test_the_failure_digest_keeps_each_failures_end_and_the_summary_for_the_tail
     assert digest == [
         "_________________________________ test_short __________________________________",
         "    def test_short():", ">       assert 1 == 2", "E       assert 1 == 2", "", "tests/a.py:3: AssertionError",
-        "__________________________ test_long[case-1] ___________________________",
+        "__ test_long_name_that_fills_the_terminal_line_to_its_end[case-1] ___",
         "[... 98 lines]", "    line 98", "    line 99",
         "E       Failed: the release did not ask: {'deploy_model': 'failed'}", "", "tests/b.py:9: Failed",
         "FAILED tests/a.py::test_short - assert 1 == 2",
-        "FAILED tests/b.py::test_long[case-1] - Failed: the release did not ask",
+        "FAILED tests/b.py::test_long_name_that_fills_the_terminal_line_to_its_end[case-1] - Failed: the release did not ask",
     ]
 
 
