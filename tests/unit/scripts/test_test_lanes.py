@@ -155,7 +155,8 @@ def test_the_failure_digest_keeps_each_failures_end_and_the_summary_for_the_tail
         "[... 98 lines]", "    line 98", "    line 99",
         "E       Failed: the release did not ask: {'deploy_model': 'failed'}", "", "tests/b.py:9: Failed",
         "FAILED tests/a.py::test_short - assert 1 == 2",
-        "FAILED tests/b.py::test_long_name_that_fills_the_terminal_line_to_its_end[case-1] - Failed: the release did not ask",
+        "FAILED tests/b.py::test_long_name_that_fills_the_terminal_line_to_its_end[case-1] - Failed: the release "
+        "did not ask",
     ]
 
 
