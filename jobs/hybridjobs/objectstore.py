@@ -1,0 +1,275 @@
+"""Storage URIs for the cluster's jobs (no Airflow): a local path or ``s3://bucket/key``, opened through pyarrow's
+filesystem layer, and a dataset partition's commit protocol that holds on an object store.
+
+Object stores have no rename, so a partition cannot be swapped into place as on POSIX (atomic.py). Instead:
+
+1. every writer (a Spark task, a job) puts its parts under an attempt of its own,
+   ``<partition>/_attempt=<id>/part-<n>.parquet``: a name no reader takes, since readers follow the manifest (and
+   Spark and pyarrow skip ``_``-names when they list);
+2. the committer removes ``_SUCCESS`` (from here the partition reads "not published"), writes ``_MANIFEST.json``
+   naming every part (key relative to the partition, bytes, sha256, rows), then ``_SUCCESS`` holding the
+   manifest's sha256;
+3. then deletes what the manifest does not name: earlier attempts, a killed writer's parts.
+
+A reader takes ``_SUCCESS``, then the manifest, and trusts the manifest only when its sha256 is the one
+``_SUCCESS`` names (a commit in progress reads "not published", never half of two attempts); each part it reads is
+checked against its size and sha256. A writer killed before step 2 leaves parts no manifest names: invisible, and
+removed by the next commit.
+
+Credentials: the standard AWS environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, ``AWS_REGION``), else the file ``HYBRIDFLOW_S3_CREDENTIALS_FILE``
+names (JSON, mode 0600, written by the operator and removed after the job), else pyarrow's own chain (instance
+profile, ``~/.aws``). Keys never appear in a repr, an error or a log line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+CREDENTIALS_ENV = "HYBRIDFLOW_S3_CREDENTIALS_FILE"
+MANIFEST_NAME = "_MANIFEST.json"
+SUCCESS_NAME = "_SUCCESS"
+ATTEMPT_PREFIX = "_attempt="
+PROTOCOL = "manifest-v1"
+CONNECT_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 60.0
+RETRIES = 3
+
+
+class StorageError(RuntimeError):
+    """A URI that cannot be opened, read or written; the message names the URI and what to do."""
+
+
+class PartitionNotPublished(StorageError):
+    """No ``_SUCCESS``, or a commit in progress: the partition's writer has not finished."""
+
+
+class CorruptPart(StorageError):
+    """A part whose bytes are not those its manifest names (size or sha256)."""
+
+
+@dataclass(frozen=True)
+class S3Access:
+    """How to reach an S3-compatible store. The keys stay out of ``repr``."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key: str | None = field(default=None, repr=False)
+    secret_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] = os.environ) -> S3Access:
+        """The AWS environment, else the 0600 credentials file ``HYBRIDFLOW_S3_CREDENTIALS_FILE`` names."""
+        found = cls(endpoint_url=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
+                    region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+                    access_key=env.get("AWS_ACCESS_KEY_ID") or None,
+                    secret_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
+                    session_token=env.get("AWS_SESSION_TOKEN") or None)
+        if found.access_key or not env.get(CREDENTIALS_ENV):
+            return found
+        return cls.from_file(Path(env[CREDENTIALS_ENV]))
+
+    @classmethod
+    def from_file(cls, path: Path) -> S3Access:
+        """JSON with ``access_key_id``, ``secret_access_key`` and optionally ``session_token``, ``endpoint_url``,
+        ``region``; refused unless only its owner may read it."""
+        try:
+            mode = path.stat().st_mode
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise StorageError(f"{CREDENTIALS_ENV}={path}: cannot read it ({type(error).__name__}); the operator "
+                               f"writes it before the job starts") from None
+        if stat.S_IMODE(mode) & 0o077:
+            raise StorageError(f"{CREDENTIALS_ENV}={path}: mode {stat.S_IMODE(mode):04o} lets others read the keys; "
+                               f"it must be 0600")
+        if not isinstance(data, dict) or not all(isinstance(data.get(k), str) and data[k]
+                                                 for k in ("access_key_id", "secret_access_key")):
+            raise StorageError(f"{CREDENTIALS_ENV}={path}: expected a JSON object with access_key_id and "
+                               f"secret_access_key")
+        return cls(endpoint_url=data.get("endpoint_url") or None, region=data.get("region") or None,
+                   access_key=data["access_key_id"], secret_key=data["secret_access_key"],
+                   session_token=data.get("session_token") or None)
+
+    def filesystem(self) -> pafs.S3FileSystem:
+        # An endpoint that does not answer fails the stage in seconds, not after the SDK's minutes of retries.
+        options: dict[str, Any] = {"region": self.region or "us-east-1", "connect_timeout": CONNECT_TIMEOUT_S,
+                                   "request_timeout": REQUEST_TIMEOUT_S,
+                                   "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=RETRIES)}
+        if self.access_key:
+            options.update(access_key=self.access_key, secret_key=self.secret_key,
+                           session_token=self.session_token)
+        if self.endpoint_url:
+            endpoint = urlsplit(self.endpoint_url)
+            if endpoint.scheme not in ("http", "https") or not endpoint.netloc:
+                raise StorageError(f"S3 endpoint {self.endpoint_url!r}: expected http(s)://host[:port]")
+            options.update(endpoint_override=endpoint.netloc, scheme=endpoint.scheme)
+        return pafs.S3FileSystem(**options)
+
+
+@dataclass(frozen=True)
+class Location:
+    """One URI opened: the filesystem and the path in it (``bucket/key`` on S3, absolute on POSIX)."""
+
+    uri: str
+    filesystem: pafs.FileSystem
+    path: str
+
+    def child(self, *names: str) -> Location:
+        suffix = "/".join(names)
+        return Location(f"{self.uri.rstrip('/')}/{suffix}", self.filesystem, f"{self.path.rstrip('/')}/{suffix}")
+
+    @property
+    def is_object_store(self) -> bool:
+        return not isinstance(self.filesystem, pafs.LocalFileSystem)
+
+    def read_bytes(self) -> bytes:
+        try:
+            with self.filesystem.open_input_stream(self.path) as stream:
+                return stream.read()
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            raise StorageError(f"{self.uri}: cannot read it: {error}") from None
+
+    def write_bytes(self, data: bytes) -> None:
+        """One object (S3: one PUT, whole or not at all); on POSIX the parent folders are made first."""
+        try:
+            if not self.is_object_store:
+                self.filesystem.create_dir(self.path.rsplit("/", 1)[0], recursive=True)
+            with self.filesystem.open_output_stream(self.path) as stream:
+                stream.write(data)
+        except OSError as error:
+            raise StorageError(f"{self.uri}: cannot write it: {error}") from None
+
+    def exists(self) -> bool:
+        return self.filesystem.get_file_info(self.path).type != pafs.FileType.NotFound
+
+    def delete(self) -> None:
+        try:
+            self.filesystem.delete_file(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def open_uri(uri: str, access: S3Access | None = None) -> Location:
+    """A local path (or ``file://``) or ``s3://bucket/key``; anything else is refused naming the two."""
+    if uri.startswith("s3://"):
+        bucket_and_key = uri.removeprefix("s3://").rstrip("/")
+        if not bucket_and_key or bucket_and_key.startswith("/"):
+            raise StorageError(f"{uri!r}: expected s3://bucket/prefix")
+        return Location(uri, (access or S3Access.from_environment()).filesystem(), bucket_and_key)
+    if "://" in uri and not uri.startswith("file://"):
+        raise StorageError(f"{uri!r}: unsupported scheme; use a local path or s3://bucket/prefix")
+    path = uri.removeprefix("file://")
+    if not path.startswith("/"):
+        raise StorageError(f"{uri!r}: a local storage root must be an absolute path")
+    return Location(uri, pafs.LocalFileSystem(), path.rstrip("/") or "/")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- partitions -------------------------------------------------------------------------------------------------
+
+
+def new_attempt() -> str:
+    """One writer's attempt id: every part it writes lies under ``_attempt=<id>/``."""
+    return uuid.uuid4().hex[:16]
+
+
+def write_part(partition: Location, attempt: str, index: int, table: pa.Table) -> dict[str, Any]:
+    """``table`` as one Parquet part of ``attempt``; its manifest entry (key relative to the partition)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = sink.getvalue().to_pybytes()
+    key = f"{ATTEMPT_PREFIX}{attempt}/part-{index:05d}.parquet"
+    partition.child(key).write_bytes(data)
+    return {"key": key, "bytes": len(data), "sha256": sha256_hex(data), "rows": table.num_rows}
+
+
+def commit_partition(partition: Location, parts: Iterable[Mapping[str, Any]],
+                     fields: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Publishes ``parts`` (what :func:`write_part` returned) as the partition: ``_SUCCESS`` out, the manifest
+    in, ``_SUCCESS`` in naming the manifest's sha256, then every object the manifest does not name deleted.
+    ``fields``: the dataset's own manifest fields (row counts, columns, quality figures). Returns the manifest."""
+    parts = sorted((dict(part) for part in parts), key=lambda part: part["key"])
+    manifest = {**(fields or {}), "protocol": PROTOCOL, "parts": parts,
+                "row_count": sum(part["rows"] for part in parts)}
+    body = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    partition.child(SUCCESS_NAME).delete()
+    partition.child(MANIFEST_NAME).write_bytes(body)
+    partition.child(SUCCESS_NAME).write_bytes(json.dumps({"manifest_sha256": sha256_hex(body)}).encode())
+    _delete_all_but(partition, {part["key"].split("/", 1)[0] for part in parts} | {MANIFEST_NAME, SUCCESS_NAME})
+    return manifest
+
+
+def read_manifest(partition: Location) -> dict[str, Any]:
+    """The published manifest, bound to ``_SUCCESS``.
+
+    :raises PartitionNotPublished: no ``_SUCCESS`` (not written, or a commit in progress), or a manifest other
+        than the one ``_SUCCESS`` names (a commit in progress).
+    """
+    try:
+        success = partition.child(SUCCESS_NAME).read_bytes()
+        body = partition.child(MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        raise PartitionNotPublished(f"{partition.uri}: not published (no {SUCCESS_NAME}); its writer has not "
+                                    f"finished, or never ran") from None
+    try:
+        expected = json.loads(success)["manifest_sha256"]
+        manifest = json.loads(body)
+    except (ValueError, KeyError, TypeError):
+        raise StorageError(f"{partition.uri}: {SUCCESS_NAME} or {MANIFEST_NAME} is not what the {PROTOCOL} "
+                           f"protocol writes; rerun the stage that writes the partition") from None
+    if sha256_hex(body) != expected:
+        raise PartitionNotPublished(f"{partition.uri}: a commit is in progress ({MANIFEST_NAME} is not the one "
+                                    f"{SUCCESS_NAME} names); read it again once its writer finished")
+    return manifest
+
+
+def read_part(partition: Location, part: Mapping[str, Any], columns: list[str] | None = None) -> pa.Table:
+    """One part, its bytes checked against the manifest first."""
+    try:
+        data = partition.child(part["key"]).read_bytes()
+    except FileNotFoundError:
+        raise PartitionNotPublished(f"{partition.uri}: {part['key']} is gone (a rerun replaced the partition "
+                                    f"while it was read); read it again") from None
+    if len(data) != part["bytes"] or sha256_hex(data) != part["sha256"]:
+        raise CorruptPart(f"{partition.uri}/{part['key']}: {len(data)} bytes with sha256 {sha256_hex(data)[:12]}, "
+                          f"the manifest names {part['bytes']} bytes with {part['sha256'][:12]}; rerun the stage "
+                          f"that writes the partition")
+    return pq.read_table(pa.BufferReader(data), columns=columns)
+
+
+def read_partition(partition: Location, columns: list[str] | None = None) -> pa.Table:
+    """Every part the manifest names, in its order, checked."""
+    manifest = read_manifest(partition)
+    tables = [read_part(partition, part, columns) for part in manifest["parts"]]
+    return pa.concat_tables(tables) if tables else pa.table({})
+
+
+def _delete_all_but(partition: Location, names: set[str]) -> None:
+    """Deletes every entry directly under the partition (an attempt's folder whole) whose name is not kept."""
+    selector = pafs.FileSelector(partition.path, recursive=False, allow_not_found=True)
+    for info in partition.filesystem.get_file_info(selector):
+        if info.base_name in names:
+            continue
+        if info.type == pafs.FileType.Directory:
+            partition.filesystem.delete_dir(info.path)
+        else:
+            partition.filesystem.delete_file(info.path)
