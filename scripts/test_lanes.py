@@ -218,9 +218,11 @@ def command_label(argv: list[str]) -> str:
     names = [Path(word).name.splitlines()[0] if word.strip() else "" for word in rest]
     if program == "java" and main_class:
         names = main_class[-1:]
-    elif program.startswith("python") and names and names[0] != "pytest":  # python airflow scheduler
+    elif program.startswith("python") and names[:1] != ["pytest"]:  # python airflow scheduler
         names = names[:2]
-    return " ".join([program, *names[:1 if not program.startswith("python") or names[:1] == ["pytest"] else 2]])[:60]
+    else:
+        names = names[:1]
+    return " ".join([program, *names])[:60]
 
 
 class CpuTally:
