@@ -123,7 +123,7 @@ def infer(model: str, rows: np.ndarray, version: int | None = None) -> tuple[str
 
 
 DEPLOY_DAG = textwrap.dedent('''
-    from datetime import datetime
+    from datetime import datetime, timedelta
     from airflow.sdk import DAG
     from hybridflow.config import ReleaseConfig
     from hybridflow.operators.triton import TritonDeployOperator
@@ -140,7 +140,8 @@ DEPLOY_DAG = textwrap.dedent('''
             gate_warmup_requests={gate_warmup_requests},
             readiness_timeout_s={readiness_timeout_s},
             release=ReleaseConfig(**{release!r}),
-            retries=0,
+            retries={retries},
+            retry_delay=timedelta(seconds=2),
         )
 ''')
 
@@ -153,12 +154,13 @@ LOADED_MACHINE_SLO_P99_MS = 1000
 
 def deploy_dag(dag_id: str, export_dir: Path, model: str, repository: str, gate_requests: int = 100,
                readiness_timeout_s: float = 120, slo_p99_ms: float = LOADED_MACHINE_SLO_P99_MS,
-               release: dict | None = None, gate_warmup_requests: int = 10) -> str:
+               release: dict | None = None, gate_warmup_requests: int = 10, retries: int = 0) -> str:
     """The source of DAG ``dag_id``: one TritonDeployOperator task ``deploy`` of ``export_dir`` as ``model``;
-    ``release``: :class:`~hybridflow.config.ReleaseConfig`'s fields (default: direct, promoted after the gates)."""
+    ``release``: :class:`~hybridflow.config.ReleaseConfig`'s fields (default: direct, promoted after the gates);
+    ``retries``: as the pipeline's deploy has them, for a gate the machine's load holds (retried 2 s later)."""
     return DEPLOY_DAG.format(dag_id=dag_id, export_dir=export_dir, model=model, repository=repository,
                              gate_requests=gate_requests, gate_warmup_requests=gate_warmup_requests,
-                             readiness_timeout_s=readiness_timeout_s,
+                             readiness_timeout_s=readiness_timeout_s, retries=retries,
                              slo_p99_ms=slo_p99_ms, release=release or {"strategy": "direct"})
 
 

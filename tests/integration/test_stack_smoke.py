@@ -212,7 +212,7 @@ def test_local_stack_status_reports_every_service_up(stack):
         env=dict(os.environ),
     )
     rows = json.loads(status.stdout)
-    assert status.returncode == 0, status.stdout
+    assert status.returncode == 0, f"down: {[r for r in rows if not r['up']]}"
     assert {r["service"] for r in rows} >= {
         "munge", "mariadb", "slurmdbd", "slurmctld", "slurmd-gpu-node-01", "slurmd-gpu-node-02", "sshd",
         "spark-master", "spark-worker", "triton",

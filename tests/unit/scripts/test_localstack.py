@@ -358,3 +358,30 @@ def test_stopping_a_service_also_ends_the_process_group_its_child_leads():
     service.wait(10)
 
     assert wait_group_gone(leader) == []
+
+
+@pytest.mark.parametrize(
+    "answers, up, probes",
+    [
+        ([True], True, 1),  # answered at once: no second probe
+        ([False, True], True, 2),  # missed once on a busy machine: up, not a false DOWN
+        ([OSError("reset"), False, True], True, 3),  # a probe that raises is a miss, not a crash of `status`
+        ([False, False, False], False, 3),  # down only when every round missed it
+        ([OSError("refused")] * 3, False, 3),
+    ],
+)
+def test_status_says_down_only_when_every_probe_missed(monkeypatch, answers, up, probes):
+    monkeypatch.setattr(localstack, "PROBE_INTERVAL_S", 0)
+    calls = []
+
+    def ready():
+        calls.append(1)
+        answer = answers[len(calls) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    flaky = common.Service("flaky", ready, lambda: 0)
+    steady = common.Service("steady", lambda: True, lambda: 0)
+    assert localstack.services_up([flaky, steady]) == ({"flaky", "steady"} if up else {"steady"})
+    assert len(calls) == probes
