@@ -9,5 +9,7 @@ How it reaches the processes that need it:
 
 Modules: ``storage`` (partition layout, manifests, atomic publish; stdlib only), ``generator`` (raw data,
 numpy + pyarrow, no Spark), ``features`` and ``scoring`` (Spark), ``manifests`` (figures of written Parquet,
-pyarrow on the driver), ``spark`` (session helpers).
+pyarrow on the driver), ``spark`` (session helpers), ``objectstore`` (any storage URI, a local path or ``s3://``,
+through pyarrow, and the partition commit protocol that holds on an object store), ``sparkio`` (Spark datasets
+on any such URI with no Hadoop S3 connector: the tasks write parts, the driver commits by manifest).
 """

@@ -3,13 +3,14 @@ filesystem layer, and a dataset partition's commit protocol that holds on an obj
 
 Object stores have no rename, so a partition cannot be swapped into place as on POSIX (atomic.py). Instead:
 
-1. every writer (a Spark task, a job) puts its parts under an attempt of its own,
-   ``<partition>/_attempt=<id>/part-<n>.parquet``: a name no reader takes, since readers follow the manifest (and
+1. every writer (a job, and each Spark task of it) puts its parts under the job's attempt,
+   ``<partition>/_attempt=<id>/part-<n>-<try>.parquet`` (``<try>``: a retried Spark task's number, so a killed
+   try's part is never the one a retry names): a name no reader takes, since readers follow the manifest (and
    Spark and pyarrow skip ``_``-names when they list);
 2. the committer removes ``_SUCCESS`` (from here the partition reads "not published"), writes ``_MANIFEST.json``
    naming every part (key relative to the partition, bytes, sha256, rows), then ``_SUCCESS`` holding the
    manifest's sha256;
-3. then deletes what the manifest does not name: earlier attempts, a killed writer's parts.
+3. then deletes every object the manifest does not name: earlier attempts, a killed writer's or task's parts.
 
 A reader takes ``_SUCCESS``, then the manifest, and trusts the manifest only when its sha256 is the one
 ``_SUCCESS`` names (a commit in progress reads "not published", never half of two attempts); each part it reads is
@@ -24,6 +25,7 @@ profile, ``~/.aws``). Keys never appear in a repr, an error or a log line.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -192,29 +194,33 @@ def new_attempt() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def write_part(partition: Location, attempt: str, index: int, table: pa.Table) -> dict[str, Any]:
-    """``table`` as one Parquet part of ``attempt``; its manifest entry (key relative to the partition)."""
+def write_part(partition: Location, attempt: str, index: int, table: pa.Table, task_try: int = 0) -> dict[str, Any]:
+    """``table`` as one Parquet part of ``attempt`` (``task_try``: the try of the task writing part ``index``); its
+    manifest entry (key relative to the partition). Whole in memory: one part is one Spark task's rows."""
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     data = sink.getvalue().to_pybytes()
-    key = f"{ATTEMPT_PREFIX}{attempt}/part-{index:05d}.parquet"
+    key = f"{ATTEMPT_PREFIX}{attempt}/part-{index:05d}-{task_try}.parquet"
     partition.child(key).write_bytes(data)
     return {"key": key, "bytes": len(data), "sha256": sha256_hex(data), "rows": table.num_rows}
 
 
 def commit_partition(partition: Location, parts: Iterable[Mapping[str, Any]],
-                     fields: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     fields: Mapping[str, Any] | None = None, schema: pa.Schema | None = None) -> dict[str, Any]:
     """Publishes ``parts`` (what :func:`write_part` returned) as the partition: ``_SUCCESS`` out, the manifest
     in, ``_SUCCESS`` in naming the manifest's sha256, then every object the manifest does not name deleted.
-    ``fields``: the dataset's own manifest fields (row counts, columns, quality figures). Returns the manifest."""
+    ``fields``: the dataset's own manifest fields (row counts, columns, quality figures); ``schema``: the parts'
+    (:func:`manifest_schema` reads it back, for a partition with no part too). Returns the manifest."""
     parts = sorted((dict(part) for part in parts), key=lambda part: part["key"])
     manifest = {**(fields or {}), "protocol": PROTOCOL, "parts": parts,
                 "row_count": sum(part["rows"] for part in parts)}
+    if schema is not None:
+        manifest["schema"] = schema_text(schema)
     body = json.dumps(manifest, indent=2, sort_keys=True).encode()
     partition.child(SUCCESS_NAME).delete()
     partition.child(MANIFEST_NAME).write_bytes(body)
     partition.child(SUCCESS_NAME).write_bytes(json.dumps({"manifest_sha256": sha256_hex(body)}).encode())
-    _delete_all_but(partition, {part["key"].split("/", 1)[0] for part in parts} | {MANIFEST_NAME, SUCCESS_NAME})
+    _delete_unnamed(partition, {part["key"] for part in parts} | {MANIFEST_NAME, SUCCESS_NAME})
     return manifest
 
 
@@ -263,13 +269,30 @@ def read_partition(partition: Location, columns: list[str] | None = None) -> pa.
     return pa.concat_tables(tables) if tables else pa.table({})
 
 
-def _delete_all_but(partition: Location, names: set[str]) -> None:
-    """Deletes every entry directly under the partition (an attempt's folder whole) whose name is not kept."""
-    selector = pafs.FileSelector(partition.path, recursive=False, allow_not_found=True)
-    for info in partition.filesystem.get_file_info(selector):
-        if info.base_name in names:
-            continue
-        if info.type == pafs.FileType.Directory:
-            partition.filesystem.delete_dir(info.path)
-        else:
-            partition.filesystem.delete_file(info.path)
+def schema_text(schema: pa.Schema) -> str:
+    """A table's schema as manifest text (Arrow IPC, base64): a reader of an empty partition still has its columns."""
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def manifest_schema(manifest: Mapping[str, Any]) -> pa.Schema:
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(manifest["schema"], validate=True)))
+    except (KeyError, TypeError, ValueError, pa.ArrowInvalid):
+        raise StorageError("the manifest has no readable schema; rerun the stage that writes the partition") from None
+
+
+def _delete_unnamed(partition: Location, keys: set[str]) -> None:
+    """Deletes every object under the partition whose key (relative to it) is not kept, and every folder that
+    holds no kept key (POSIX; an object store has only keys)."""
+    prefix = partition.path.rstrip("/") + "/"
+    kept_folders = {key.rsplit("/", depth)[0] for key in keys for depth in range(1, key.count("/") + 1)}
+    selector = pafs.FileSelector(partition.path, recursive=True, allow_not_found=True)
+    for info in sorted(partition.filesystem.get_file_info(selector), key=lambda info: info.path):
+        relative = info.path.removeprefix(prefix)
+        try:
+            if info.type == pafs.FileType.Directory and relative not in kept_folders:
+                partition.filesystem.delete_dir(info.path)  # shallow first: a deleted folder's own entries go too
+            elif info.type == pafs.FileType.File and relative not in keys:
+                partition.filesystem.delete_file(info.path)
+        except FileNotFoundError:
+            pass  # inside a folder already deleted

@@ -20,6 +20,7 @@ from hybridjobs.objectstore import (
     S3Access,
     StorageError,
     commit_partition,
+    manifest_schema,
     new_attempt,
     open_uri,
     read_manifest,
@@ -85,8 +86,8 @@ def test_a_committed_partition_reads_back_every_part_in_order_with_its_fields(ro
     partition = partition_of(root)
     attempt, manifest = publish(partition, table(0, 3), table(3, 2), fields={"dataset": "features"})
     assert manifest["row_count"] == 5 and manifest["dataset"] == "features" and manifest["protocol"] == "manifest-v1"
-    assert [p["key"] for p in manifest["parts"]] == [f"_attempt={attempt}/part-00000.parquet",
-                                                     f"_attempt={attempt}/part-00001.parquet"]
+    assert [p["key"] for p in manifest["parts"]] == [f"_attempt={attempt}/part-00000-0.parquet",
+                                                     f"_attempt={attempt}/part-00001-0.parquet"]
     assert read_manifest(partition) == manifest
     assert read_partition(partition).column("customer_id").to_pylist() == [f"c{i}" for i in range(5)]
     assert read_partition(partition, columns=["amount"]).column_names == ["amount"]
@@ -109,8 +110,33 @@ def test_a_rerun_replaces_the_partition_and_removes_the_earlier_and_a_killed_wri
     second, manifest = publish(partition, table(10, 2))
     assert read_partition(partition).column("customer_id").to_pylist() == ["c10", "c11"]
     left = names_under(partition)
-    assert left == {MANIFEST_NAME, SUCCESS_NAME, f"_attempt={second}/part-00000.parquet"}
+    assert left == {MANIFEST_NAME, SUCCESS_NAME, f"_attempt={second}/part-00000-0.parquet"}
     assert not any(first in name or "killedwriter" in name for name in left)
+
+
+def test_a_killed_task_try_beside_its_retry_is_removed_and_never_read(root):
+    partition = partition_of(root)
+    attempt = new_attempt()
+    write_part(partition, attempt, 0, table(100, 7))  # try 0 of task 0 wrote its part, then its executor died
+    retried = write_part(partition, attempt, 0, table(0, 3), task_try=1)
+    manifest = commit_partition(partition, [retried, write_part(partition, attempt, 1, table(3, 2))])
+    assert [p["key"] for p in manifest["parts"]] == [f"_attempt={attempt}/part-00000-1.parquet",
+                                                     f"_attempt={attempt}/part-00001-0.parquet"]
+    assert read_partition(partition).column("customer_id").to_pylist() == [f"c{i}" for i in range(5)]
+    assert names_under(partition) == {MANIFEST_NAME, SUCCESS_NAME, *(p["key"] for p in manifest["parts"])}
+
+
+def test_the_schema_in_the_manifest_gives_an_empty_partition_its_columns(root):
+    partition = partition_of(root)
+    manifest = commit_partition(partition, [], schema=table(0, 1).schema)
+    assert manifest["row_count"] == 0 and manifest["parts"] == []
+    assert manifest_schema(read_manifest(partition)) == table(0, 1).schema
+
+
+@pytest.mark.parametrize("schema", [None, "", "not base64!", "aGVsbG8=", 7])
+def test_a_manifest_without_a_readable_schema_says_to_rewrite_the_partition(schema):
+    with pytest.raises(StorageError, match="no readable schema; rerun the stage"):
+        manifest_schema({} if schema is None else {"schema": schema})
 
 
 def test_a_commit_in_progress_reads_not_published_never_half_of_two_attempts(root):
@@ -130,7 +156,7 @@ def test_a_part_whose_bytes_differ_from_the_manifest_is_refused_naming_it(root, 
     data = part.read_bytes()
     part.write_bytes({"flipped": data[:100] + bytes([data[100] ^ 1]) + data[101:], "truncated": data[:-10],
                       "replaced": data[::-1]}[damage])
-    with pytest.raises(CorruptPart, match=r"part-00000.parquet: \d+ bytes with sha256 .* the manifest names"):
+    with pytest.raises(CorruptPart, match=r"part-00000-0.parquet: \d+ bytes with sha256 .* the manifest names"):
         read_partition(partition)
 
 
