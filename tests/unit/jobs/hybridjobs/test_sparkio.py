@@ -19,6 +19,7 @@ pytest.importorskip("pyspark")
 @pytest.fixture(scope="module")
 def spark():
     from hybridjobs.spark import build_session
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     # The Python workers run this venv's interpreter (pyarrow), as spark-submit's do on the stack.
@@ -30,6 +31,9 @@ def spark():
     yield session
     session.stop()
     SparkSession._instantiatedSession = None
+    # The JVM would otherwise live, holding its heap, until this pytest process ends (the rest of its lane).
+    SparkContext._gateway.shutdown()
+    SparkContext._gateway = SparkContext._jvm = None
     if saved is None:
         os.environ.pop("PYSPARK_PYTHON")
     else:
