@@ -38,7 +38,8 @@ def write_partition(df: DataFrame, uri: str, fields: Mapping[str, Any] | None = 
                     access: S3Access | None = None) -> dict[str, Any]:
     """Writes ``df`` as the partition at ``uri`` and publishes it (replacing an earlier one); returns its
     manifest. A task that writes no row writes no part; a job killed before its commit leaves the earlier
-    partition as it was."""
+    partition as it was. A task holds its rows and their Parquet bytes in its Python worker's memory: size the
+    Spark partitions to fit (``repartition`` before writing)."""
     access = access or access_for(uri)
     attempt = objectstore.new_attempt()
     # A bad URI, a missing bucket, wrong keys or an endpoint that does not answer fail here, in seconds, before any
