@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import uuid
 
-import boto3
 import pyarrow as pa
 import pytest
 from hybridjobs.objectstore import (
@@ -31,29 +29,12 @@ from hybridjobs.objectstore import (
 KEYS = {"AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret-key-9f3a"}
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
 @pytest.fixture(params=["posix", "s3"])
 def root(request, tmp_path):
     """A storage root URI and the access that opens it."""
     if request.param == "posix":
         return str(tmp_path / "storage"), None
-    endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = f"t-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
-                 aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket=bucket)
-    access = S3Access.from_environment({**KEYS, "AWS_ENDPOINT_URL": endpoint})
+    bucket, access = request.getfixturevalue("s3_bucket")
     return f"s3://{bucket}/prefix", access
 
 

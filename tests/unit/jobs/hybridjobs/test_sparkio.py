@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
-import uuid
 
 import pytest
 from hybridjobs import objectstore, sparkio
@@ -40,34 +39,12 @@ def spark():
         os.environ["PYSPARK_PYTHON"] = saved
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    import socket
-
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
 @pytest.fixture(params=["posix", "s3"])
 def root(request, tmp_path):
     """A partition URI and the access that opens it."""
     if request.param == "posix":
         return str(tmp_path / "storage" / "features" / "ds=2026-07-17"), None
-    import boto3
-
-    endpoint = request.getfixturevalue("s3_endpoint")
-    keys = {"AWS_ACCESS_KEY_ID": "test-key-id", "AWS_SECRET_ACCESS_KEY": "test-secret-key-9f3a"}
-    bucket = f"t-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
-                 aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket=bucket)
-    access = objectstore.S3Access.from_environment({**keys, "AWS_ENDPOINT_URL": endpoint})
+    bucket, access = request.getfixturevalue("s3_bucket")
     return f"s3://{bucket}/prefix/features/ds=2026-07-17", access
 
 
