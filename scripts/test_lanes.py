@@ -8,7 +8,7 @@ the other; the lanes of a phase run side by side, and no lane takes down what a 
   Triton, Spark) and take none of them down.
 - ``crashes``: what crashes Slurm (a node, slurmctld, every GPU taken) or Airflow's control plane, one after another
   (the nightly end to end kills the control plane itself), beside tests that use none of those (a private Airflow
-  on SQLite, Spark, the training job on this machine's cores).
+  with a PostgreSQL of its own, Spark, the training job on this machine's cores).
 - ``outages``: sshd, Airflow's triggerer and MLflow taken down, Airflow's slots filled, beside Triton taken down (no
   test beside it uses Triton).
 
@@ -68,7 +68,7 @@ PHASES: dict[str, dict[str, tuple[str, ...]]] = {
             "tests/integration/test_slurm_gates.py",  # takes every GPU of the partition
         ),
         "local": (
-            "tests/integration/test_backfill_never_starts_a_night.py",  # an Airflow of its own, on SQLite
+            "tests/integration/test_backfill_never_starts_a_night.py",  # an Airflow and a PostgreSQL of its own
             "tests/integration/test_spark_stages.py", "tests/reliability/test_data_faults.py",
             "tests/integration/test_training_job.py",  # on this machine's cores: no service at all
             # DeepSpeed trainings in process (2 ranks each): beside the users' latency gates they took both cores.

@@ -4,7 +4,11 @@ Airflow's DAG processor recomputes ``next_dagrun`` on every parse from the lates
 with a plain ``CronTriggerTimetable`` and ``catchup=False`` that is the latest elapsed tick, which the scheduler then
 runs at once beside the backfill. This drives Airflow's real DAG processor and scheduler (their own processes, the
 project's plugins folder) on an Airflow home of its own: the shared stack's running components keep the plugin list
-they started with, and a scheduled run of a throw-away DAG must never meet the suite's own DAGs.
+they started with, and a scheduled run of a throw-away DAG must never meet the suite's own DAGs. Its metadata is in
+a PostgreSQL cluster of its own (``pgstack``, ~3 s), not in SQLite: with three writers (DAG processor, scheduler,
+CLI) SQLite failed ``backfill create`` at once with "database is locked" in CI (2026-12-07): the backfill reads in
+a SAVEPOINT and then inserts, and SQLite refuses that upgrade without waiting when another writer got in between.
+Nor in the stack's PostgreSQL: this test's lane runs beside the one that SIGKILLs it.
 
 Two throw-away DAGs on a daily tick that passed 3 hours ago, tasks in a pool that does not exist (nothing executes):
 ``guard_backfill`` is unpaused, backfilled for 3 past nights, then paused and unpaused; ``guard_unpause`` has a start
@@ -15,16 +19,21 @@ date a week back and is unpaused for the first time. Neither may get a scheduled
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-import sqlite3
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pgstack  # scripts/ is on the test path (pyproject.toml)
 import pytest
+import sqlalchemy
 from helpers.waiting import wait_until
+from stack.common import P
 
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).parent / "airflow")
@@ -48,29 +57,37 @@ for dag_id, start in (("guard_backfill", None), ("guard_unpause", datetime.fromi
 '''
 
 
-def rows(db: Path, sql: str, *args) -> list[tuple]:
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30) as conn:
-        return conn.execute(sql, args).fetchall()
+@pytest.fixture
+def metadata_url(tmp_path):
+    """The SQLAlchemy URL of a fresh PostgreSQL cluster of this test's own (under cluster_dir, where the postgres
+    user can reach it), on a free loopback port; stopped and removed when the test ends."""
+    data_dir = Path(tempfile.mkdtemp(dir=P.cluster / "postgres", prefix="test-backfill-"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = pgstack.ensure_cluster(data_dir, port, tmp_path / "secrets", log=lambda line: None)
+    pid = pgstack.start(data_dir, port, tmp_path / "postgres.log")
+    try:
+        wait_until("the test's PostgreSQL accepts connections", lambda: pgstack.ready(port), timeout_s=60, every_s=0.2)
+        yield url
+    finally:
+        pgstack.stop(pid, data_dir=data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def as_utc(value: str | None) -> datetime | None:
-    if value is None:
-        return None
-    moment = datetime.fromisoformat(value)
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+def as_utc(value: datetime | None) -> datetime | None:
+    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
 
 
 @pytest.fixture
-def airflow_home(tmp_path):
-    """A migrated SQLite Airflow home with the project's plugins; the DAG processor and scheduler it starts are
-    stopped, process group by process group, when the test ends."""
+def airflow_home(tmp_path, metadata_url):
+    """A migrated Airflow home with the project's plugins, its metadata in the test's own PostgreSQL; the DAG
+    processor and scheduler it starts are stopped, process group by process group, when the test ends. Yields
+    the home, ``start``, ``cli`` and ``rows`` (a read of the metadata database)."""
     home = tmp_path / "airflow"
     (home / "dags").mkdir(parents=True)
     env = {key: value for key, value in os.environ.items() if not key.startswith("AIRFLOW")}
-    # Three writers share one SQLite file here (DAG processor, scheduler, CLI): wait up to 60 s for its lock, not
-    # pysqlite's default 5 s, which a busy 2-core runner exceeds ("database is locked").
-    env.update(AIRFLOW_HOME=str(home),
-               AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home / 'airflow.db'}?timeout=60",
+    env.update(AIRFLOW_HOME=str(home), AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=metadata_url,
                AIRFLOW__CORE__DAGS_FOLDER=str(home / "dags"), AIRFLOW__CORE__PLUGINS_FOLDER=str(REPO / "plugins"),
                AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__CORE__EXECUTOR="LocalExecutor",
                # No task runs here; should one try, it must not reach the shared stack's api-server.
@@ -92,7 +109,14 @@ def airflow_home(tmp_path):
         assert out.returncode == 0, f"airflow {' '.join(argv)}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
         return out.stdout
 
-    yield home, start, cli
+    engine = sqlalchemy.create_engine(metadata_url, poolclass=sqlalchemy.NullPool)
+
+    def rows(sql: str, **params) -> list[tuple]:
+        with engine.connect() as conn:
+            return [tuple(row) for row in conn.execute(sqlalchemy.text(sql), params)]
+
+    yield home, start, cli, rows
+    engine.dispose()
     for proc in started:
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # the group this test started: the component and its children
@@ -104,8 +128,7 @@ def airflow_home(tmp_path):
 
 
 def test_backfill_and_unpause_never_start_a_past_night(airflow_home):
-    home, start, cli = airflow_home
-    db = home / "airflow.db"
+    home, start, cli, rows = airflow_home
     now = datetime.now(UTC).replace(second=0, microsecond=0)
     last_tick = now - timedelta(hours=3)  # tonight's tick is 21 h away
     next_tick = last_tick + timedelta(days=1)
@@ -118,22 +141,22 @@ def test_backfill_and_unpause_never_start_a_past_night(airflow_home):
 
     start("dag-processor")
     wait_until("both DAGs serialized", lambda: len(rows(
-        db, "select dag_id from serialized_dag where dag_id like 'guard_%'")) >= 2, timeout_s=90, every_s=1)
+        "select dag_id from serialized_dag where dag_id like 'guard_%'")) >= 2, timeout_s=90, every_s=1)
     start("scheduler", "--skip-serve-logs")
 
     def scheduled_runs() -> list[tuple]:
-        return rows(db, "select dag_id, run_id from dag_run where dag_id like 'guard_%' and run_type = 'scheduled'")
+        return rows("select dag_id, run_id from dag_run where dag_id like 'guard_%' and run_type = 'scheduled'")
 
     cli("dags", "unpause", "guard_backfill")
     # Three past nights, the newest two days back: the latest automated run is now a backfill's.
     cli("backfill", "create", "--dag-id", "guard_backfill",
         "--from-date", (last_tick - timedelta(days=4, minutes=30)).isoformat(),
         "--to-date", (last_tick - timedelta(days=2) + timedelta(minutes=30)).isoformat())
-    backfill = rows(db, "select run_id from dag_run where dag_id = 'guard_backfill' and run_type = 'backfill'")
+    backfill = rows("select run_id from dag_run where dag_id = 'guard_backfill' and run_type = 'backfill'")
     assert len(backfill) == 3, backfill
     # The scheduler really reads the DAG (it deserializes the plugin's timetable): it starts the backfill's runs.
     wait_until("a backfill run started", lambda: rows(
-        db, "select 1 from dag_run where dag_id = 'guard_backfill' and run_type = 'backfill' and state = 'running'"),
+        "select 1 from dag_run where dag_id = 'guard_backfill' and run_type = 'backfill' and state = 'running'"),
         timeout_s=90, every_s=1)
     time.sleep(SETTLE_S)
     assert scheduled_runs() == [], "a backfill made the scheduler start a past night"
@@ -147,7 +170,7 @@ def test_backfill_and_unpause_never_start_a_past_night(airflow_home):
 
     for dag_id in ("guard_backfill", "guard_unpause"):
         (next_dagrun, create_after), = rows(
-            db, "select next_dagrun, next_dagrun_create_after from dag where dag_id = ?", dag_id)
+            "select next_dagrun, next_dagrun_create_after from dag where dag_id = :dag_id", dag_id=dag_id)
         assert as_utc(next_dagrun) == next_tick, (dag_id, next_dagrun)
         assert as_utc(create_after) == next_tick, (dag_id, create_after)
     failures = [line for path in home.glob("*.log") for line in path.read_text(errors="replace").splitlines()
