@@ -6,8 +6,10 @@ Usage:
 Reads <root>/raw/ds=<ds>/ (required) and the published raw partitions of the look-back days before it
 (those missing are listed in the manifest), publishes <root>/quarantine/ds=<ds>/ and then
 <root>/features/ds=<ds>/, each with _MANIFEST.json and _SUCCESS, replacing an earlier run of the same ds.
+--root is a local path or s3://bucket/prefix (no Hadoop S3 connector needed: hybridjobs/datasets.py).
 Prints one `FEATURES ...` line.
-Exit codes: 0 published, 2 the raw partition of the ds is not published. Never imports Airflow.
+Exit codes: 0 published, 2 the raw partition of the ds is not published, 4 the storage root cannot be read or
+written (the message names the URI and the fix). Never imports Airflow.
 """
 
 import argparse
@@ -16,8 +18,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridjobs import cli, features  # noqa: E402
+from hybridjobs import cli, features, objectstore  # noqa: E402
 from hybridjobs.spark import build_session  # noqa: E402
+
+STORAGE_FAILED = 4
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,6 +42,9 @@ def main(argv: list[str]) -> int:
         manifest = features.run(spark, args.root, args.ds, args.lookback_days)
     except cli.EXPECTED_FAILURES as err:
         return cli.failed("FEATURES", f"ds={args.ds}", err)
+    except objectstore.StorageError as err:  # the URI and the fix, never a key
+        print(f"FEATURES FAILED ds={args.ds}: {err}", file=sys.stderr, flush=True)
+        return STORAGE_FAILED
     finally:
         spark.stop()
     q = manifest["quarantine"]

@@ -6,8 +6,9 @@ Usage:
       [--population-seed 7] [--rows-per-file 500000]
 (`spark-submit jobs/generate_raw.py ...` works too; it runs the same code on the driver.)
 
-Publishes <root>/raw/ds=<ds>/ (events/ and labels/ Parquet, _MANIFEST.json with the defects planted per
-kind, then _SUCCESS), replacing an earlier partition of the same ds. Prints one `RAW ...` line. Never imports
+Publishes <root>/raw/ds=<ds>/ (the tables events and labels as Parquet, _MANIFEST.json naming every part and
+the defects planted per kind, then _SUCCESS), replacing an earlier partition of the same ds. --root is a local
+path or s3://bucket/prefix (credentials: hybridjobs/objectstore.py). Prints one `RAW ...` line. Never imports
 Airflow.
 """
 
@@ -16,10 +17,14 @@ import os
 import sys
 import time
 
+import pyarrow as pa
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridjobs import cli, storage  # noqa: E402
+from hybridjobs import cli, objectstore, storage  # noqa: E402
 from hybridjobs.generator import RAW_COLUMNS, GeneratorConfig, generate_partition, parse_defect_weights  # noqa: E402
+
+RAW_MANIFEST_COLUMNS = [{"name": c, "type": "binary"} for c in RAW_COLUMNS]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -36,6 +41,47 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def job_section(args: argparse.Namespace, started: float) -> dict:
+    seconds = round(time.monotonic() - started, 3)
+    return {"name": "generate_raw", "seconds": seconds, "rows_per_s": round(args.rows / seconds, 1)}
+
+
+def is_published(root: str, ds: str) -> bool:
+    if not root.startswith("s3://"):
+        return storage.is_published(storage.partition_dir(root, "raw", ds))
+    try:
+        objectstore.read_manifest(objectstore.open_uri(f"{root.rstrip('/')}/raw/ds={ds}"))
+        return True
+    except objectstore.PartitionNotPublished:
+        return False
+
+
+def publish_to_folder(args: argparse.Namespace, config: GeneratorConfig, started: float) -> dict:
+    """The tables as Parquet folders in a staging folder, renamed into place (hybridjobs/storage.py)."""
+    target = storage.partition_dir(args.root, "raw", args.ds)
+    staging = storage.new_staging_dir(target)
+    details = generate_partition(staging, args.ds, config)
+    manifest = storage.base_manifest("raw", args.ds, args.rows, RAW_MANIFEST_COLUMNS, job_section(args, started))
+    manifest.update(details, files=storage.data_files(staging))
+    storage.publish(staging, target, manifest)
+    return details
+
+
+def publish_to_object_store(args: argparse.Namespace, config: GeneratorConfig, started: float) -> dict:
+    """The tables as parts of one attempt, committed by their manifest (hybridjobs/objectstore.py)."""
+    partition = objectstore.open_uri(f"{args.root.rstrip('/')}/raw/ds={args.ds}")
+    attempt, parts, schemas = objectstore.new_attempt(), [], {}
+
+    def write(table_name: str, index: int, table: pa.Table) -> None:
+        parts.append(objectstore.write_part(partition, attempt, index, table, table_name=table_name))
+        schemas[table_name] = table.schema
+
+    details = generate_partition(write, args.ds, config)
+    fields = storage.base_manifest("raw", args.ds, args.rows, RAW_MANIFEST_COLUMNS, job_section(args, started))
+    objectstore.commit_partition(partition, parts, {**fields, **details}, schema=schemas)
+    return details
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
@@ -48,19 +94,16 @@ def main(argv: list[str]) -> int:
         print(f"RAW FAILED: {err}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    target = storage.partition_dir(args.root, "raw", args.ds)
-    if args.skip_if_published and storage.is_published(target):
-        print(f"RAW ds={args.ds} already published at {target}; left as it is", flush=True)
-        return 0
-    staging = storage.new_staging_dir(target)
-    details = generate_partition(staging, args.ds, config)
+    publish = publish_to_object_store if args.root.startswith("s3://") else publish_to_folder
+    try:
+        if args.skip_if_published and is_published(args.root, args.ds):
+            print(f"RAW ds={args.ds} already published under {args.root}; left as it is", flush=True)
+            return 0
+        details = publish(args, config, started)
+    except objectstore.StorageError as err:  # the URI and the fix, never a key
+        print(f"RAW FAILED: {err}", file=sys.stderr)
+        return 2
     seconds = round(time.monotonic() - started, 3)
-    job = {"name": "generate_raw", "seconds": seconds, "rows_per_s": round(args.rows / seconds, 1)}
-    manifest = storage.base_manifest(
-        "raw", args.ds, args.rows, [{"name": c, "type": "binary"} for c in RAW_COLUMNS], job
-    )
-    manifest.update(details, files=storage.data_files(staging))
-    storage.publish(staging, target, manifest)
     print(f"RAW ds={args.ds} rows={args.rows} customers={config.n_customers} "
           f"planted_defects={details['planted_defects_total']} seconds={seconds}", flush=True)
     return 0

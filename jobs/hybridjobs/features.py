@@ -15,14 +15,13 @@ from __future__ import annotations
 import time
 from datetime import datetime
 from functools import reduce
-from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from hybridjobs import manifests, storage
+from hybridjobs import datasets, manifests, storage
 from hybridjobs.manifests import QUARANTINE_REASONS
 from hybridjobs.spark import job_section, manifest_columns
 
@@ -62,19 +61,17 @@ FEATURE_COLUMNS = (
 OUTPUT_COLUMNS = ("customer_id", "label", *FEATURE_COLUMNS)
 
 
-def read_raw_events(spark: SparkSession, partitions: storage.Partitions, ds: str,
-                    window: list[str]) -> tuple[DataFrame, list[str]]:
+def read_raw_events(spark: SparkSession, root: str, ds: str, window: list[str]) -> tuple[DataFrame, list[str]]:
     """Published raw events of ``ds`` and of the look-back days (``window``) that exist, tagged with their
     partition."""
-    own = partitions.dir("raw", ds)
-    if not storage.is_published(own):
+    if not datasets.is_published(root, "raw", ds):
         raise storage.PartitionNotPublishedError(
-            f"raw partition {own} is not published (no _SUCCESS): generate or land raw data for ds={ds} first"
+            f"raw partition {datasets.partition_uri(root, 'raw', ds)} is not published (no _SUCCESS): generate or "
+            f"land raw data for ds={ds} first"
         )
-    found = [d for d in window if storage.is_published(partitions.dir("raw", d))]
+    found = [d for d in window if datasets.is_published(root, "raw", d)]
     frames = [
-        spark.read.parquet(str(partitions.dir("raw", d) / "events"))
-        .select(*RAW_COLUMNS)
+        datasets.read_table(spark, root, "raw", d, list(RAW_COLUMNS), "events")
         .withColumn("source_ds", F.lit(d))
         .withColumn("partition_end", F.lit(storage.interval_end(d)))
         for d in found
@@ -179,47 +176,37 @@ def customer_features(classified: DataFrame, as_of: datetime) -> DataFrame:
                              *(derived[name].cast("float").alias(name) for name in FEATURE_COLUMNS))
 
 
-def raw_files(partitions: storage.Partitions, ds: str) -> list[Path]:
-    return manifests.partition_files(partitions.dir("raw", ds), "events")
-
-
-def read_labels(spark: SparkSession, partitions: storage.Partitions, ds: str) -> DataFrame:
-    path = partitions.dir("raw", ds) / "labels"
-    return spark.read.parquet(str(path)).select("customer_id", F.col("label").cast("int").alias("label"))
+def read_labels(spark: SparkSession, root: str, ds: str) -> DataFrame:
+    labels = datasets.read_table(spark, root, "raw", ds, ["customer_id", "label"], "labels")
+    return labels.select("customer_id", F.col("label").cast("int").alias("label"))
 
 
 def run(spark: SparkSession, root: str, ds: str,
         lookback_days: int = DEFAULT_LOOKBACK_DAYS) -> dict[str, Any]:
-    """Builds and publishes ``quarantine/ds=<ds>``, then ``features/ds=<ds>``; returns the features
-    manifest."""
+    """Builds and publishes ``quarantine/ds=<ds>``, then ``features/ds=<ds>``, under ``root`` (a local path or
+    ``s3://bucket/prefix``); returns the features manifest."""
     started = time.monotonic()
-    partitions = storage.Partitions.under(root)
     day = storage.parse_ds(ds)  # the one check of ds: the window and the features' as-of time derive from it
     window, as_of = storage.lookback_ds(day, lookback_days), storage.interval_end(day)
-    raw, found = read_raw_events(spark, partitions, ds, window)
+    raw, found = read_raw_events(spark, root, ds, window)
     classified = with_quarantine_reason(raw)
 
-    quarantine_target = partitions.dir("quarantine", ds)
-    quarantine_staging = storage.new_staging_dir(quarantine_target)
+    quarantine_out = datasets.output(root, "quarantine", ds)
     quarantine = quarantined_rows(classified, ds)
-    quarantine.write.parquet(str(quarantine_staging))
+    quarantine_out.write(quarantine)
 
-    features_target = partitions.dir("features", ds)
-    features_staging = storage.new_staging_dir(features_target)
+    features_out = datasets.output(root, "features", ds)
     features = customer_features(classified, as_of).join(
-        read_labels(spark, partitions, ds), on="customer_id", how="inner"
+        read_labels(spark, root, ds), on="customer_id", how="inner"
     ).select(*OUTPUT_COLUMNS)
-    features.write.parquet(str(features_staging))
+    features_out.write(features)
 
-    raw_rows = manifests.parquet_rows(raw_files(partitions, ds))
-    window_rows = sum(manifests.parquet_rows(raw_files(partitions, d)) for d in found)
-    quarantine_files = manifests.partition_files(quarantine_staging)
-    by_reason = manifests.count_by(manifests.read_files(quarantine_files, ["reason"]), "reason",
-                                   QUARANTINE_REASONS)
+    raw_rows = datasets.table_rows(root, "raw", ds, "events")
+    window_rows = sum(datasets.table_rows(root, "raw", d, "events") for d in found)
+    by_reason = manifests.count_by(quarantine_out.read(["reason"]), "reason", QUARANTINE_REASONS)
     quarantined = sum(by_reason.values())
-    feature_files = manifests.partition_files(features_staging)
-    stats = manifests.column_stats(feature_files, OUTPUT_COLUMNS, FEATURE_COLUMNS)
-    labels = manifests.read_files(feature_files, ["label"]).column("label") if stats["row_count"] else None
+    stats = manifests.table_stats(features_out.read, features_out.rows(), OUTPUT_COLUMNS, FEATURE_COLUMNS)
+    labels = features_out.read(["label"]).column("label") if stats["row_count"] else None
     label_rate = round(pc.mean(labels).as_py(), 6) if labels is not None else None
     job = job_section(spark, "build_features", started, raw_rows, "raw_rows_per_s", lookback_days=lookback_days,
                       as_of=as_of.isoformat())
@@ -241,8 +228,8 @@ def run(spark: SparkSession, root: str, ds: str,
         "quarantine", ds, quarantined, manifest_columns(quarantine), job
     )
     quarantine_manifest.update(by_reason=by_reason, raw_rows=raw_rows, ratio=quarantine_section["ratio"],
-                               files=storage.data_files(quarantine_staging))
-    storage.publish(quarantine_staging, quarantine_target, quarantine_manifest)
+                               files=quarantine_out.files())
+    quarantine_out.publish(quarantine_manifest)
 
     manifest = storage.base_manifest("features", ds, stats["row_count"], manifest_columns(features), job)
     manifest.update(
@@ -253,7 +240,6 @@ def run(spark: SparkSession, root: str, ds: str,
         feature_stats=stats["feature_stats"],
         quarantine=quarantine_section,
         input=input_section,
-        files=storage.data_files(features_staging),
+        files=features_out.files(),
     )
-    storage.publish(features_staging, features_target, manifest)
-    return manifest
+    return features_out.publish(manifest)

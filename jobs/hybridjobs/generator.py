@@ -20,7 +20,7 @@ quarantine reasons of the features job, and the manifest records how many of eac
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -250,25 +250,36 @@ def _plant(kind: str, idx: np.ndarray, columns: dict[str, pa.Array], rng: np.ran
         raise ValueError(f"unknown defect kind {kind!r}")
 
 
-def generate_partition(out_dir: Path, ds: str, config: GeneratorConfig) -> dict[str, Any]:
-    """Writes ``events/`` and ``labels/`` into ``out_dir``; returns the generator's part of the manifest."""
+TableWriter = Callable[[str, int, pa.Table], None]  # (table name, part index, rows): writes one part
+
+
+def parquet_folder_writer(out_dir: Path) -> TableWriter:
+    """Parts as ``<out_dir>/<table>/part-<index>.parquet`` (a POSIX staging folder)."""
+    def write(table_name: str, index: int, table: pa.Table) -> None:
+        folder = out_dir / table_name
+        folder.mkdir(parents=True, exist_ok=True)
+        # Row groups of 100k rows let Spark split a file across cores.
+        pq.write_table(table, folder / f"part-{index:05d}.parquet", compression="snappy",
+                       row_group_size=ROW_GROUP_ROWS)
+    return write
+
+
+def generate_partition(out: Path | TableWriter, ds: str, config: GeneratorConfig) -> dict[str, Any]:
+    """Writes the tables ``events`` and ``labels`` (into the folder ``out``, or through the writer ``out``);
+    returns the generator's part of the manifest."""
+    write = parquet_folder_writer(out) if isinstance(out, Path) else out
     pop = make_population(config.n_customers, config.population_seed)
-    events_dir, labels_dir = out_dir / "events", out_dir / "labels"
-    events_dir.mkdir(parents=True)
-    labels_dir.mkdir(parents=True)
     planted = dict.fromkeys(DEFECT_KINDS, 0)
     n_files = math.ceil(config.rows / config.rows_per_file)
     for chunk in range(n_files):
         first = chunk * config.rows_per_file
         rows = min(config.rows_per_file, config.rows - first)
         table, counts = make_events_chunk(pop, ds, chunk, rows, first, config)
-        # Row groups of 100k rows let Spark split a file across cores.
-        pq.write_table(table, events_dir / f"part-{chunk:05d}.parquet", compression="snappy",
-                       row_group_size=ROW_GROUP_ROWS)
+        write("events", chunk, table)
         for kind, n in counts.items():
             planted[kind] += n
     labels = make_labels(pop, ds, config.population_seed)
-    pq.write_table(labels, labels_dir / "part-00000.parquet", compression="snappy")
+    write("labels", 0, labels)
     return {
         "labels": {"row_count": labels.num_rows,
                    "positive_rate": round(float(pc.mean(labels["label"]).as_py()), 6)},

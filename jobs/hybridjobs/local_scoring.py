@@ -194,8 +194,7 @@ def run(root: str, ds: str, model_path: str, model_version: str, batch_size: int
     job = {"name": "score_batch_local", **_device_job(device, batch_size, precision, record), "seconds": seconds,
            "rows_per_s": round(rows / seconds, 1) if seconds else None}
     manifest = predictions.manifest(staging, ds, features_manifest, COLUMNS, job, model_path, model_version)
-    storage.publish(staging, target, manifest)
-    return manifest
+    return storage.publish(staging, target, manifest)
 
 
 def model_width(model_path: str) -> int:

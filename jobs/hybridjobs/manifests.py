@@ -7,7 +7,7 @@ than the work itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +52,19 @@ def _round(value: Any) -> float | None:
 def column_stats(files: Sequence[Path], columns: Sequence[str], numeric: Sequence[str]) -> dict[str, Any]:
     """Null ratio of ``columns``; NaN ratio and min/mean/max of ``numeric`` (NaN excluded from min/mean/max).
     Reads one column at a time, so driver memory stays at one column of the output."""
-    rows = parquet_rows(files)
+    return table_stats(lambda names: read_files(files, names), parquet_rows(files), columns, numeric)
+
+
+def table_stats(read: Callable[[list[str]], pa.Table], rows: int, columns: Sequence[str],
+                numeric: Sequence[str]) -> dict[str, Any]:
+    """:func:`column_stats` of the ``rows`` that ``read(column names)`` returns, one column at a time."""
 
     def ratio(n: int) -> float:
         return round(n / rows, 6) if rows else 0.0
 
     null_ratio, nan_ratio, stats = {}, {}, {}
     for name in columns:
-        column = read_files(files, [name]).column(name) if rows else pa.chunked_array([], pa.float32())
+        column = read([name]).column(name) if rows else pa.chunked_array([], pa.float32())
         null_ratio[name] = ratio(column.null_count)
         if name not in numeric:
             continue

@@ -17,6 +17,11 @@ A reader takes ``_SUCCESS``, then the manifest, and trusts the manifest only whe
 checked against its size and sha256. A writer killed before step 2 leaves parts no manifest names: invisible, and
 removed by the next commit.
 
+A partition may hold several tables (raw: ``events`` and ``labels``): each part then names its ``table`` (its key
+lies under ``_attempt=<id>/<table>/``) and the manifest holds each table's schema. A POSIX partition published by
+renaming a staging folder into place (storage.py) carries the same manifest: its parts are the files Spark wrote
+(:func:`file_part`), so one reader serves both roots.
+
 Credentials: the standard AWS environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
 ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, ``AWS_REGION``), else the file ``HYBRIDFLOW_S3_CREDENTIALS_FILE``
 names (JSON, mode 0600, written by the operator and removed after the job), else pyarrow's own chain (instance
@@ -49,6 +54,7 @@ PROTOCOL = "manifest-v1"
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 60.0
 RETRIES = 3
+HASH_CHUNK_BYTES = 8 << 20
 
 
 class StorageError(RuntimeError):
@@ -194,33 +200,80 @@ def new_attempt() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def write_part(partition: Location, attempt: str, index: int, table: pa.Table, task_try: int = 0) -> dict[str, Any]:
-    """``table`` as one Parquet part of ``attempt`` (``task_try``: the try of the task writing part ``index``); its
-    manifest entry (key relative to the partition). Whole in memory: one part is one Spark task's rows."""
+def write_part(partition: Location, attempt: str, index: int, table: pa.Table, task_try: int = 0,
+               table_name: str | None = None) -> dict[str, Any]:
+    """``table`` as one Parquet part of ``attempt`` (``task_try``: the try of the task writing part ``index``;
+    ``table_name``: which of the partition's tables it belongs to, if it has several); its manifest entry (key
+    relative to the partition). Whole in memory: one part is one Spark task's rows."""
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     data = sink.getvalue().to_pybytes()
-    key = f"{ATTEMPT_PREFIX}{attempt}/part-{index:05d}-{task_try}.parquet"
+    folder = f"{ATTEMPT_PREFIX}{attempt}/{table_name}/" if table_name else f"{ATTEMPT_PREFIX}{attempt}/"
+    key = f"{folder}part-{index:05d}-{task_try}.parquet"
     partition.child(key).write_bytes(data)
-    return {"key": key, "bytes": len(data), "sha256": sha256_hex(data), "rows": table.num_rows}
+    return part_entry(key, data, table.num_rows, table_name)
+
+
+def part_entry(key: str, data: bytes, rows: int, table_name: str | None = None) -> dict[str, Any]:
+    entry = {"key": key, "bytes": len(data), "sha256": sha256_hex(data), "rows": rows}
+    return {**entry, "table": table_name} if table_name else entry
+
+
+def file_part(partition: Location, key: str, table_name: str | None = None) -> dict[str, Any]:
+    """The manifest entry of a Parquet file already in the partition (written by Spark's own writer), hashed as it
+    streams (a file of any size) and its rows read from the footer."""
+    location = partition.child(key)
+    digest, size = hashlib.sha256(), 0
+    try:
+        with location.filesystem.open_input_stream(location.path) as stream:
+            while chunk := stream.read(HASH_CHUNK_BYTES):
+                digest.update(chunk)
+                size += len(chunk)
+        with location.filesystem.open_input_file(location.path) as file:
+            rows = pq.ParquetFile(file).metadata.num_rows
+    except (OSError, pa.ArrowInvalid) as error:
+        raise StorageError(f"{location.uri}: cannot read it as Parquet: {error}") from None
+    entry = {"key": key, "bytes": size, "sha256": digest.hexdigest(), "rows": rows}
+    return {**entry, "table": table_name} if table_name else entry
+
+
+def parts_of(manifest: Mapping[str, Any], table_name: str | None = None) -> list[dict[str, Any]]:
+    """The manifest's parts, or those of one of its tables."""
+    return [part for part in manifest["parts"] if table_name is None or part.get("table") == table_name]
+
+
+def success_body(manifest_body: bytes) -> bytes:
+    """What ``_SUCCESS`` holds: the sha256 of the manifest it publishes."""
+    return json.dumps({"manifest_sha256": sha256_hex(manifest_body)}).encode()
 
 
 def commit_partition(partition: Location, parts: Iterable[Mapping[str, Any]],
-                     fields: Mapping[str, Any] | None = None, schema: pa.Schema | None = None) -> dict[str, Any]:
+                     fields: Mapping[str, Any] | None = None,
+                     schema: pa.Schema | Mapping[str, pa.Schema] | None = None) -> dict[str, Any]:
     """Publishes ``parts`` (what :func:`write_part` returned) as the partition: ``_SUCCESS`` out, the manifest
     in, ``_SUCCESS`` in naming the manifest's sha256, then every object the manifest does not name deleted.
-    ``fields``: the dataset's own manifest fields (row counts, columns, quality figures); ``schema``: the parts'
-    (:func:`manifest_schema` reads it back, for a partition with no part too). Returns the manifest."""
-    parts = sorted((dict(part) for part in parts), key=lambda part: part["key"])
-    manifest = {**(fields or {}), "protocol": PROTOCOL, "parts": parts,
-                "row_count": sum(part["rows"] for part in parts)}
-    if schema is not None:
-        manifest["schema"] = schema_text(schema)
+    ``fields``: the dataset's own manifest fields (row counts, columns, quality figures; ``row_count`` defaults to
+    the parts' rows); ``schema``: the parts' (:func:`manifest_schema` reads it back, for a partition with no part
+    too), or each table's by name. Returns the manifest."""
+    manifest = manifest_fields(parts, fields, schema)
     body = json.dumps(manifest, indent=2, sort_keys=True).encode()
     partition.child(SUCCESS_NAME).delete()
     partition.child(MANIFEST_NAME).write_bytes(body)
-    partition.child(SUCCESS_NAME).write_bytes(json.dumps({"manifest_sha256": sha256_hex(body)}).encode())
+    partition.child(SUCCESS_NAME).write_bytes(success_body(body))
     _delete_unnamed(partition, {part["key"] for part in parts} | {MANIFEST_NAME, SUCCESS_NAME})
+    return manifest
+
+
+def manifest_fields(parts: Iterable[Mapping[str, Any]], fields: Mapping[str, Any] | None = None,
+                    schema: pa.Schema | Mapping[str, pa.Schema] | None = None) -> dict[str, Any]:
+    """The manifest of ``parts``: the dataset's ``fields``, the protocol, the parts in key order, the schema."""
+    parts = sorted((dict(part) for part in parts), key=lambda part: part["key"])
+    manifest = {"row_count": sum(part["rows"] for part in parts), **(fields or {}), "protocol": PROTOCOL,
+                "parts": parts}
+    if isinstance(schema, pa.Schema):
+        manifest["schema"] = schema_text(schema)
+    elif schema is not None:
+        manifest["schemas"] = {name: schema_text(each) for name, each in schema.items()}
     return manifest
 
 
@@ -234,6 +287,7 @@ def read_manifest(partition: Location) -> dict[str, Any]:
         success = partition.child(SUCCESS_NAME).read_bytes()
         body = partition.child(MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
+        _check_bucket(partition)
         raise PartitionNotPublished(f"{partition.uri}: not published (no {SUCCESS_NAME}); its writer has not "
                                     f"finished, or never ran") from None
     try:
@@ -246,6 +300,21 @@ def read_manifest(partition: Location) -> dict[str, Any]:
         raise PartitionNotPublished(f"{partition.uri}: a commit is in progress ({MANIFEST_NAME} is not the one "
                                     f"{SUCCESS_NAME} names); read it again once its writer finished")
     return manifest
+
+
+def _check_bucket(location: Location) -> None:
+    """An object store answers "no such key" for a missing bucket too: say which it is. Keys that may not ask
+    about the bucket itself (no s3:ListBucket) leave the answer at "not published"."""
+    if not location.is_object_store:
+        return
+    bucket = location.path.split("/", 1)[0]
+    try:
+        found = location.filesystem.get_file_info(bucket).type != pafs.FileType.NotFound
+    except OSError:
+        return
+    if not found:
+        raise StorageError(f"{location.uri}: bucket {bucket} does not exist, or these credentials cannot see it: "
+                           f"create it, or point the storage root at one that exists")
 
 
 def read_part(partition: Location, part: Mapping[str, Any], columns: list[str] | None = None) -> pa.Table:
@@ -262,11 +331,16 @@ def read_part(partition: Location, part: Mapping[str, Any], columns: list[str] |
     return pq.read_table(pa.BufferReader(data), columns=columns)
 
 
-def read_partition(partition: Location, columns: list[str] | None = None) -> pa.Table:
-    """Every part the manifest names, in its order, checked."""
+def read_partition(partition: Location, columns: list[str] | None = None, table_name: str | None = None) -> pa.Table:
+    """Every part the manifest names (of one table, if named), in its order, checked."""
     manifest = read_manifest(partition)
-    tables = [read_part(partition, part, columns) for part in manifest["parts"]]
-    return pa.concat_tables(tables) if tables else pa.table({})
+    tables = [read_part(partition, part, columns) for part in parts_of(manifest, table_name)]
+    if tables:
+        return pa.concat_tables(tables, promote_options="permissive")
+    if "schema" not in manifest and "schemas" not in manifest:
+        return pa.table({})  # committed with no schema: nothing says what its columns would be
+    empty = manifest_schema(manifest, table_name).empty_table()
+    return empty.select(columns) if columns else empty
 
 
 def schema_text(schema: pa.Schema) -> str:
@@ -274,11 +348,15 @@ def schema_text(schema: pa.Schema) -> str:
     return base64.b64encode(schema.serialize().to_pybytes()).decode()
 
 
-def manifest_schema(manifest: Mapping[str, Any]) -> pa.Schema:
+def manifest_schema(manifest: Mapping[str, Any], table_name: str | None = None) -> pa.Schema:
+    """The schema of the partition's parts (``table_name``: of that table's)."""
     try:
-        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(manifest["schema"], validate=True)))
+        text = manifest["schemas"][table_name] if table_name else manifest["schema"]
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text, validate=True)))
     except (KeyError, TypeError, ValueError, pa.ArrowInvalid):
-        raise StorageError("the manifest has no readable schema; rerun the stage that writes the partition") from None
+        which = f" for table {table_name!r}" if table_name else ""
+        raise StorageError(f"the manifest has no readable schema{which}; rerun the stage that writes the "
+                           f"partition") from None
 
 
 def _delete_unnamed(partition: Location, keys: set[str]) -> None:

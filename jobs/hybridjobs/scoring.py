@@ -128,5 +128,4 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
     # the Spark route scores on CPUs, where bf16 gains nothing: float32 whatever the export's check allowed
     job = job_section(spark, "score_batch", started, rows, batch_size=batch_size, precision="fp32")
     manifest = predictions.manifest(staging, ds, features_manifest, COLUMNS, job, model_path, model_version)
-    storage.publish(staging, target, manifest)
-    return manifest
+    return storage.publish(staging, target, manifest)

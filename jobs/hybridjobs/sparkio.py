@@ -25,8 +25,8 @@ from hybridjobs import objectstore
 from hybridjobs.objectstore import S3Access
 
 PART_FIELDS = pa.schema([("key", pa.string()), ("bytes", pa.int64()), ("sha256", pa.string()),
-                         ("rows", pa.int64())])
-PART_ROW = "key string, bytes bigint, sha256 string, rows bigint"
+                         ("rows", pa.int64()), ("table", pa.string())])
+PART_ROW = "key string, bytes bigint, sha256 string, rows bigint, `table` string"
 
 
 def access_for(uri: str) -> S3Access | None:
@@ -41,6 +41,16 @@ def write_partition(df: DataFrame, uri: str, fields: Mapping[str, Any] | None = 
     partition as it was. A task holds its rows and their Parquet bytes in its Python worker's memory: size the
     Spark partitions to fit (``repartition`` before writing)."""
     access = access or access_for(uri)
+    parts, schema = write_parts(df, uri, access)
+    return objectstore.commit_partition(objectstore.open_uri(uri, access), parts, fields, schema=schema)
+
+
+def write_parts(df: DataFrame, uri: str, access: S3Access | None = None,
+                table_name: str | None = None) -> tuple[list[dict[str, Any]], pa.Schema]:
+    """Writes ``df`` as parts of a new attempt at the partition ``uri`` (of its table ``table_name``), publishing
+    nothing: the parts' manifest entries and their schema, for :func:`objectstore.commit_partition` (after the
+    driver has read what it reports on, or written the partition's other tables)."""
+    access = access or access_for(uri)
     attempt = objectstore.new_attempt()
     # A bad URI, a missing bucket, wrong keys or an endpoint that does not answer fail here, in seconds, before any
     # task runs (the probe lies in the attempt: the commit removes it).
@@ -53,30 +63,31 @@ def write_partition(df: DataFrame, uri: str, fields: Mapping[str, Any] | None = 
             table = pa.Table.from_batches(batches)
             task = TaskContext.get()
             entry = objectstore.write_part(objectstore.open_uri(uri, access), attempt, task.partitionId(), table,
-                                           task_try=task.attemptNumber())
-            yield pa.RecordBatch.from_pylist([entry], schema=PART_FIELDS)
+                                           task_try=task.attemptNumber(), table_name=table_name)
+            yield pa.RecordBatch.from_pylist([{**entry, "table": table_name}], schema=PART_FIELDS)
 
-    parts = [row.asDict() for row in df.mapInArrow(write, PART_ROW).collect()]
-    return objectstore.commit_partition(objectstore.open_uri(uri, access), parts, fields, schema=schema)
+    parts = [{key: value for key, value in row.asDict().items() if key != "table" or value}
+             for row in df.mapInArrow(write, PART_ROW).collect()]
+    return parts, schema
 
 
 def read_partition(spark: SparkSession, uri: str, columns: list[str] | None = None,
-                   access: S3Access | None = None) -> DataFrame:
-    """The published partition at ``uri`` as a DataFrame, one Spark partition per part, each part checked against
-    its manifest entry where it is read.
+                   access: S3Access | None = None, table_name: str | None = None) -> DataFrame:
+    """The published partition at ``uri`` (its table ``table_name``, if it has several) as a DataFrame, one Spark
+    partition per part, each part checked against its manifest entry where it is read.
 
     :raises objectstore.PartitionNotPublished: no ``_SUCCESS``, or a commit in progress.
     """
     access = access or access_for(uri)
     manifest = objectstore.read_manifest(objectstore.open_uri(uri, access))
-    arrow_schema = objectstore.manifest_schema(manifest)
+    arrow_schema = objectstore.manifest_schema(manifest, table_name)
     if columns is not None:
         missing = [c for c in columns if c not in arrow_schema.names]
         if missing:
             raise objectstore.StorageError(f"{uri}: no column {missing} (it has {arrow_schema.names})")
         arrow_schema = pa.schema([arrow_schema.field(c) for c in columns])
     schema = from_arrow_schema(arrow_schema)
-    parts = manifest["parts"]
+    parts = objectstore.parts_of(manifest, table_name)
     if not parts:
         return spark.createDataFrame([], schema)
 

@@ -1,4 +1,4 @@
-"""The storage layout every stage shares, its manifests, and atomic publishing. Standard library only.
+"""The storage layout every stage shares, its manifests, and atomic publishing on a POSIX root.
 
 Layout under a storage root (hybridjobs/layout.py): ``<root>/<dataset>/ds=YYYY-MM-DD/`` for the datasets
 ``raw``, ``features``, ``quarantine`` and ``predictions``. A partition is published when it holds
@@ -10,7 +10,8 @@ the marker there, then renames it into place. An older partition is first rename
 swap, so a rerun of a ds replaces the partition and never mixes old and new files. Between the two renames
 (microseconds) the partition is absent; a reader then sees "not published", never a half-written partition.
 Renames are atomic on one POSIX file system (local disk, NFS, Lustre); object stores need a different
-commit protocol.
+commit protocol (objectstore.py). The manifest is that protocol's all the same: every data file is a part with its
+bytes, sha256 and rows, and ``_SUCCESS`` names the manifest's sha256, so a reader of either root follows one rule.
 """
 
 from __future__ import annotations
@@ -134,16 +135,25 @@ def read_features_manifest(partition: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def publish(staging: str | os.PathLike, target: str | os.PathLike, manifest: dict[str, Any]) -> Path:
-    """Writes the manifest, then ``_SUCCESS``, into ``staging`` and swaps it in as ``target``."""
+def publish(staging: str | os.PathLike, target: str | os.PathLike, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Writes the manifest (with every data file as a part: a data file in a subfolder belongs to the table the
+    folder names), then ``_SUCCESS`` naming its sha256, into ``staging`` and swaps it in as ``target``. Returns the
+    manifest as published."""
     staging, target = Path(staging), Path(target)
     if not staging.is_dir():
         raise FileNotFoundError(f"staging directory {staging} does not exist: nothing was written to publish")
     for leftover in staging.glob(SUCCESS_NAME):
         leftover.unlink()
-    write_json_atomic(staging / MANIFEST_NAME, manifest, default=str)
-    (staging / SUCCESS_NAME).write_text("")
-    return swap_in(staging, target)
+    from hybridjobs import objectstore  # pyarrow: only a publishing job needs it, not every job's argument parsing
+
+    folder = objectstore.open_uri(str(staging.absolute()))
+    parts = [objectstore.file_part(folder, key, key.split("/")[0] if "/" in key else None)
+             for key in data_files(staging) if key.endswith(".parquet")]
+    published = {**manifest, "protocol": objectstore.PROTOCOL, "parts": parts}
+    write_json_atomic(staging / MANIFEST_NAME, published, default=str)
+    (staging / SUCCESS_NAME).write_bytes(objectstore.success_body((staging / MANIFEST_NAME).read_bytes()))
+    swap_in(staging, target)
+    return published
 
 
 def data_files(partition: str | os.PathLike) -> list[str]:

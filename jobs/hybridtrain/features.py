@@ -1,9 +1,11 @@
 """Reads the feature partitions the Spark features job published, and splits off the holdout.
 
-A partition is ``<features_root>/ds=YYYY-MM-DD/`` holding Parquet files, ``_SUCCESS`` (written last by the
+A partition is ``<features_root>/ds=YYYY-MM-DD/`` holding Parquet parts, ``_SUCCESS`` (written last by the
 features job) and ``_MANIFEST.json`` with ``"feature_columns"``: the ordered numeric columns the model reads.
-Every row also has ``customer_id`` (string) and ``label`` (0 or 1). ``features_root`` is a local path or any
-URI pyarrow's filesystem layer opens (``s3://bucket/prefix`` with the usual AWS environment).
+Every row also has ``customer_id`` (string) and ``label`` (0 or 1). ``features_root`` is a local path or
+``s3://bucket/prefix`` (credentials: hybridjobs/objectstore.py). The reader trusts the manifest, never a
+listing: it reads the parts the manifest names, each checked against its size and sha256, and only a manifest
+that ``_SUCCESS`` names (a partition published before manifests named their parts is read by listing its files).
 
 Rows are ordered by (ds, customer_id) whatever the Parquet file layout, so rerunning the features job with a
 different number of output files does not change the training data order.
@@ -23,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+from hybridjobs import objectstore
 from hybridtrain.errors import FeatureDataError
 
 __all__ = [
@@ -72,16 +75,18 @@ def read_feature_partitions(features_root: str, ds_values: tuple[str, ...]) -> F
         not 0/1, or there are no rows at all. The message names the partition and column.
     """
     try:
-        filesystem, root = pafs.FileSystem.from_uri(features_root)
-    except (pa.ArrowInvalid, OSError) as error:
+        location = objectstore.open_uri(features_root)
+    except (objectstore.StorageError, pa.ArrowInvalid, OSError) as error:
         raise FeatureDataError(f"features_root {features_root!r} cannot be opened: {error}") from None
+    filesystem, root = location.filesystem, location.path
     feature_columns: tuple[str, ...] | None = None
     tables = []
     rows_per_partition = {}
     for ds in ds_values:
         directory = partition_path(root, ds)
         where = partition_path(features_root, ds)
-        columns = _partition_columns(filesystem, directory, where)
+        manifest = _manifest(filesystem, directory, where)
+        columns = _feature_columns(manifest, where)
         if feature_columns is None:
             feature_columns = columns
         elif columns != feature_columns:
@@ -89,7 +94,7 @@ def read_feature_partitions(features_root: str, ds_values: tuple[str, ...]) -> F
                 f"{where}/{MANIFEST_NAME} lists feature_columns {list(columns)}, but earlier partitions list "
                 f"{list(feature_columns)}: train on partitions of one feature schema"
             )
-        table = _read_partition(filesystem, directory, where, feature_columns)
+        table = _read_partition(filesystem, directory, where, feature_columns, manifest.get("parts"))
         rows_per_partition[ds] = table.num_rows
         tables.append(table.sort_by([(ID_COLUMN, "ascending")]))
     assert feature_columns is not None
@@ -140,26 +145,55 @@ def standardization(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean.astype(np.float32), np.where(std > 0, std, 1.0).astype(np.float32)
 
 
-def _partition_columns(filesystem: pafs.FileSystem, directory: str, where: str) -> tuple[str, ...]:
+def _manifest(filesystem: pafs.FileSystem, directory: str, where: str) -> dict:
+    """The partition's manifest, only if ``_SUCCESS`` publishes it."""
     info = filesystem.get_file_info(
         [directory, f"{directory}/{SUCCESS_MARKER}", f"{directory}/{MANIFEST_NAME}"]
     )
-    if info[0].type != pafs.FileType.Directory:
-        raise FeatureDataError(
-            f"feature partition {where} does not exist: run the features job for that date"
-        )
     if info[1].type != pafs.FileType.File:
+        if info[0].type == pafs.FileType.NotFound:
+            raise FeatureDataError(f"feature partition {where} does not exist: run the features job for that date")
         raise FeatureDataError(
             f"feature partition {where} has no {SUCCESS_MARKER}: the features job did not finish"
         )
     if info[2].type != pafs.FileType.File:
         raise FeatureDataError(f"feature partition {where} has no {MANIFEST_NAME}")
-    with filesystem.open_input_stream(f"{directory}/{MANIFEST_NAME}") as stream:
-        try:
-            manifest = json.loads(stream.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise FeatureDataError(f"{where}/{MANIFEST_NAME} is not valid JSON: {error}") from None
-    columns = manifest.get("feature_columns") if isinstance(manifest, dict) else None
+    success = _read_bytes(filesystem, f"{directory}/{SUCCESS_MARKER}", where)
+    body = _read_bytes(filesystem, f"{directory}/{MANIFEST_NAME}", where)
+    if success.strip() and _named_sha256(success) != hashlib.sha256(body).hexdigest():
+        raise FeatureDataError(f"feature partition {where}: {MANIFEST_NAME} is not the one {SUCCESS_MARKER} names "
+                               f"(the features job is publishing it again): retry once it has finished")
+    try:
+        manifest = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise FeatureDataError(f"{where}/{MANIFEST_NAME} is not valid JSON: {error}") from None
+    if not isinstance(manifest, dict):
+        raise FeatureDataError(f"{where}/{MANIFEST_NAME} is not a JSON object")
+    return manifest
+
+
+def _named_sha256(success: bytes) -> str | None:
+    """The manifest sha256 ``_SUCCESS`` names (None: not the protocol's)."""
+    try:
+        named = json.loads(success).get("manifest_sha256")
+    except (ValueError, AttributeError):
+        return None
+    return named if isinstance(named, str) else None
+
+
+def _read_bytes(filesystem: pafs.FileSystem, path: str, where: str) -> bytes:
+    try:
+        with filesystem.open_input_stream(path) as stream:
+            return stream.read()
+    except FileNotFoundError:
+        raise FeatureDataError(f"feature partition {where}: {path.rsplit('/', 1)[-1]} is gone (the features job is "
+                               f"publishing it again): retry once it has finished") from None
+    except OSError as error:
+        raise FeatureDataError(f"feature partition {where}: cannot read {path.rsplit('/', 1)[-1]}: {error}") from None
+
+
+def _feature_columns(manifest: dict, where: str) -> tuple[str, ...]:
+    columns = manifest.get("feature_columns")
     if (
         not isinstance(columns, list)
         or not columns
@@ -174,26 +208,48 @@ def _partition_columns(filesystem: pafs.FileSystem, directory: str, where: str) 
     return tuple(columns)
 
 
-def _read_partition(
-    filesystem: pafs.FileSystem, directory: str, where: str, feature_columns: tuple[str, ...]
-) -> pa.Table:
+def _listed_files(filesystem: pafs.FileSystem, directory: str) -> list[str]:
+    """A partition published before manifests named their parts: its visible Parquet files."""
     selector = pafs.FileSelector(directory, recursive=False)
-    files = sorted(
+    return sorted(
         entry.path
         for entry in filesystem.get_file_info(selector)
         if entry.type == pafs.FileType.File
         and entry.base_name.endswith(".parquet")
         and not entry.base_name.startswith(("_", "."))
     )
+
+
+def _read_part(filesystem: pafs.FileSystem, directory: str, where: str, part: object) -> pa.Table:
+    if not (isinstance(part, dict) and isinstance(part.get("key"), str) and isinstance(part.get("sha256"), str)
+            and isinstance(part.get("bytes"), int) and not part["key"].startswith("/")
+            and ".." not in part["key"].split("/")):
+        raise FeatureDataError(f"{where}/{MANIFEST_NAME}: a part is {part!r}, expected key, bytes and sha256: "
+                               "rerun the features job")
+    data = _read_bytes(filesystem, f"{directory}/{part['key']}", where)
+    if len(data) != part["bytes"] or hashlib.sha256(data).hexdigest() != part["sha256"]:
+        raise FeatureDataError(f"{where}/{part['key']}: {len(data)} bytes that are not those the manifest names "
+                               f"({part['bytes']} bytes, sha256 {part['sha256'][:12]}): rerun the features job")
+    return pq.read_table(pa.BufferReader(data))
+
+
+def _read_partition(
+    filesystem: pafs.FileSystem, directory: str, where: str, feature_columns: tuple[str, ...],
+    parts: list | None = None,
+) -> pa.Table:
+    if parts is not None and not isinstance(parts, list):
+        raise FeatureDataError(f"{where}/{MANIFEST_NAME}: parts is {parts!r}, expected a list: rerun the features job")
+    named = ([(part["key"], _read_part(filesystem, directory, where, part)) for part in parts] if parts is not None
+             else [(path.rsplit("/", 1)[-1], pq.read_table(path, filesystem=filesystem))
+                   for path in _listed_files(filesystem, directory)])
     wanted = [ID_COLUMN, LABEL_COLUMN, *feature_columns]
     tables = []
-    for path in files:
-        schema = pq.read_schema(path, filesystem=filesystem)
-        missing = [name for name in wanted if name not in schema.names]
+    for name, table in named:
+        missing = [column for column in wanted if column not in table.schema.names]
         if missing:
-            raise FeatureDataError(f"{where}/{path.rsplit('/', 1)[-1]} lacks columns {missing}")
-        table = pq.read_table(path, columns=wanted, filesystem=filesystem)
-        _check_types(table, f"{where}/{path.rsplit('/', 1)[-1]}", feature_columns)
+            raise FeatureDataError(f"{where}/{name} lacks columns {missing}")
+        table = table.select(wanted)
+        _check_types(table, f"{where}/{name}", feature_columns)
         tables.append(table)
     if not tables:
         return pa.table(

@@ -37,7 +37,7 @@ def test_generator_and_features_share_vocabularies(name):
 def test_features_job_fails_clearly_without_raw_partition(tmp_path):
     """The check happens before any Spark work, so no session is needed to see it."""
     with pytest.raises(storage.PartitionNotPublishedError, match="raw partition .* is not published"):
-        features.read_raw_events(None, storage.Partitions.under(tmp_path), "2026-01-05", ["2026-01-05"])
+        features.read_raw_events(None, str(tmp_path), "2026-01-05", ["2026-01-05"])
 
 
 def test_package_zip_ships_every_module_of_hybridjobs():

@@ -1,9 +1,12 @@
-"""An S3 endpoint for the storage tests: moto's server (the S3-compatible endpoint that runs here), in this process
-on a port of its own, and a fresh bucket on it per test."""
+"""For the storage tests: an S3 endpoint (moto's server, the S3-compatible endpoint that runs here, in this process
+on a port of its own), a fresh bucket on it per test, and a real Spark in local mode, one per test module (a JVM
+start is the expensive part)."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import uuid
 
 import pytest
@@ -33,3 +36,27 @@ def s3_bucket(s3_endpoint):
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
                  aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket=bucket)
     return bucket, S3Access.from_environment({**keys, "AWS_ENDPOINT_URL": s3_endpoint})
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from hybridjobs.spark import build_session
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    # The Python workers run this venv's interpreter (pyarrow), as spark-submit's do on the stack.
+    saved = os.environ.get("PYSPARK_PYTHON")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    # local[2, 2]: two cores, and a failed task is tried once more (test_sparkio retries one).
+    session = build_session("test-sparkio", {"spark.master": "local[2, 2]", "spark.ui.enabled": "false",
+                                             "spark.sql.shuffle.partitions": "2"})
+    yield session
+    session.stop()
+    SparkSession._instantiatedSession = None
+    # The JVM would otherwise live, holding its heap, until this pytest process ends (the rest of its lane).
+    SparkContext._gateway.shutdown()
+    SparkContext._gateway = SparkContext._jvm = None
+    if saved is None:
+        os.environ.pop("PYSPARK_PYTHON")
+    else:
+        os.environ["PYSPARK_PYTHON"] = saved

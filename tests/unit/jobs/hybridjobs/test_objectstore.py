@@ -114,6 +114,28 @@ def test_the_schema_in_the_manifest_gives_an_empty_partition_its_columns(root):
     assert manifest_schema(read_manifest(partition)) == table(0, 1).schema
 
 
+def test_a_partition_of_two_tables_reads_each_with_its_own_schema_even_an_empty_one(root):
+    partition = partition_of(root)
+    attempt = new_attempt()
+    labels = pa.table({"customer_id": ["c0", "c1"], "label": pa.array([1, 0], pa.int32())})
+    parts = [write_part(partition, attempt, 0, table(0, 3), table_name="events"),
+             write_part(partition, attempt, 1, table(3, 2), table_name="events"),
+             write_part(partition, attempt, 0, labels, table_name="labels")]
+    empty = pa.schema([("customer_id", pa.string()), ("reason", pa.string())])
+    manifest = commit_partition(partition, parts, {"row_count": 5},
+                                schema={"events": table(0, 1).schema, "labels": labels.schema, "notes": empty})
+    assert manifest["row_count"] == 5  # the dataset's own count (its events), not every table's rows
+    assert [p["key"] for p in manifest["parts"]] == [f"_attempt={attempt}/events/part-00000-0.parquet",
+                                                     f"_attempt={attempt}/events/part-00001-0.parquet",
+                                                     f"_attempt={attempt}/labels/part-00000-0.parquet"]
+    assert read_partition(partition, table_name="events").column("customer_id").to_pylist() == [
+        f"c{i}" for i in range(5)]
+    assert read_partition(partition, table_name="labels").equals(labels)
+    assert read_partition(partition, ["reason"], table_name="notes").schema == pa.schema([("reason", pa.string())])
+    with pytest.raises(StorageError, match="no readable schema for table 'other'"):
+        read_partition(partition, table_name="other")
+
+
 @pytest.mark.parametrize("schema", [None, "", "not base64!", "aGVsbG8=", 7])
 def test_a_manifest_without_a_readable_schema_says_to_rewrite_the_partition(schema):
     with pytest.raises(StorageError, match="no readable schema; rerun the stage"):
@@ -180,6 +202,14 @@ def test_a_missing_bucket_names_the_uri(s3_endpoint):
                         S3Access.from_environment({**KEYS, "AWS_ENDPOINT_URL": s3_endpoint}))
     with pytest.raises((StorageError, FileNotFoundError, OSError), match="no-such-bucket-here"):
         location.read_bytes()
+
+
+def test_reading_a_partition_in_a_missing_bucket_says_the_bucket_is_missing_not_unpublished(s3_endpoint):
+    partition = open_uri("s3://no-such-bucket-here/features/ds=2026-07-17",
+                         S3Access.from_environment({**KEYS, "AWS_ENDPOINT_URL": s3_endpoint}))
+    with pytest.raises(StorageError, match="ds=2026-07-17: bucket no-such-bucket-here does not exist") as raised:
+        read_manifest(partition)
+    assert not isinstance(raised.value, PartitionNotPublished)
 
 
 def test_an_endpoint_that_does_not_answer_fails_in_seconds_naming_the_uri():

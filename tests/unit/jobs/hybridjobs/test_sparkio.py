@@ -5,38 +5,12 @@ pyarrow, with no Hadoop S3 connector. One session for the module: a JVM start is
 from __future__ import annotations
 
 import datetime as dt
-import os
-import sys
 
 import pytest
 from hybridjobs import objectstore, sparkio
 from hybridjobs.objectstore import CorruptPart, PartitionNotPublished, StorageError, open_uri
 
 pytest.importorskip("pyspark")
-
-
-@pytest.fixture(scope="module")
-def spark():
-    from hybridjobs.spark import build_session
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    # The Python workers run this venv's interpreter (pyarrow), as spark-submit's do on the stack.
-    saved = os.environ.get("PYSPARK_PYTHON")
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    # local[2, 2]: two cores, and a failed task is tried once more (the retry test below).
-    session = build_session("test-sparkio", {"spark.master": "local[2, 2]", "spark.ui.enabled": "false",
-                                             "spark.sql.shuffle.partitions": "2"})
-    yield session
-    session.stop()
-    SparkSession._instantiatedSession = None
-    # The JVM would otherwise live, holding its heap, until this pytest process ends (the rest of its lane).
-    SparkContext._gateway.shutdown()
-    SparkContext._gateway = SparkContext._jvm = None
-    if saved is None:
-        os.environ.pop("PYSPARK_PYTHON")
-    else:
-        os.environ["PYSPARK_PYTHON"] = saved
 
 
 @pytest.fixture(params=["posix", "s3"])

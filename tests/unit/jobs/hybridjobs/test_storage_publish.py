@@ -7,8 +7,10 @@ import os
 import time
 from datetime import UTC, datetime
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-from hybridjobs import storage
+from hybridjobs import objectstore, storage
 
 
 @pytest.mark.parametrize("ds, ok", [
@@ -73,12 +75,21 @@ def test_a_parsed_ds_gives_what_its_text_gives(ds):
 
 
 def _stage(target, files):
+    """A staging folder of ``files``: a ``.parquet`` name gets a Parquet file with one row holding its text."""
     staging = storage.new_staging_dir(target)
     staging.mkdir()
     for name, text in files.items():
         (staging / name).parent.mkdir(parents=True, exist_ok=True)
-        (staging / name).write_text(text)
+        if name.endswith(".parquet"):
+            pq.write_table(pa.table({"text": [text]}), staging / name)
+        else:
+            (staging / name).write_text(text)
     return staging
+
+
+def _fields(manifest):
+    """The manifest less what publishing adds (the parts, the protocol)."""
+    return {key: value for key, value in manifest.items() if key not in ("parts", "protocol")}
 
 
 def test_publish_writes_manifest_then_success_and_renames(tmp_path):
@@ -88,9 +99,41 @@ def test_publish_writes_manifest_then_success_and_renames(tmp_path):
     storage.publish(staging, target, {"row_count": 1})
     assert not staging.exists()
     assert storage.is_published(target)
-    assert storage.read_manifest(target) == {"row_count": 1}
-    # _SUCCESS is created after the manifest is complete.
+    assert _fields(storage.read_manifest(target)) == {"row_count": 1}
+    # _SUCCESS is created after the manifest is complete, and names it.
     assert (target / "_SUCCESS").stat().st_mtime_ns >= (target / "_MANIFEST.json").stat().st_mtime_ns
+    assert json.loads((target / "_SUCCESS").read_text())["manifest_sha256"] == objectstore.sha256_hex(
+        (target / "_MANIFEST.json").read_bytes())
+
+
+def test_publish_names_every_part_as_an_object_store_commit_does(tmp_path):
+    target = storage.partition_dir(tmp_path, "raw", "2026-01-05")
+    staging = _stage(target, {"events/part-0.parquet": "a", "events/part-1.parquet": "b",
+                              "labels/part-0.parquet": "c", "events/.part-0.parquet.crc": "spark's"})
+    data = {name: (staging / name).read_bytes() for name in ("events/part-0.parquet", "labels/part-0.parquet")}
+    storage.publish(staging, target, {"row_count": 2})
+    manifest = storage.read_manifest(target)
+    assert manifest["protocol"] == objectstore.PROTOCOL
+    assert [(part["key"], part.get("table"), part["rows"]) for part in manifest["parts"]] == [
+        ("events/part-0.parquet", "events", 1), ("events/part-1.parquet", "events", 1),
+        ("labels/part-0.parquet", "labels", 1)]
+    assert manifest["parts"][0]["sha256"] == objectstore.sha256_hex(data["events/part-0.parquet"])
+    assert manifest["parts"][2]["bytes"] == len(data["labels/part-0.parquet"])
+    # One reader for both roots: the object store's reads the POSIX partition, table by table, every part checked.
+    partition = objectstore.open_uri(str(target))
+    assert objectstore.read_manifest(partition) == manifest
+    assert objectstore.read_partition(partition, table_name="events").column("text").to_pylist() == ["a", "b"]
+    assert objectstore.read_partition(partition, table_name="labels").column("text").to_pylist() == ["c"]
+
+
+def test_publish_refuses_a_data_file_that_is_not_parquet_and_keeps_the_older_partition(tmp_path):
+    target = storage.partition_dir(tmp_path, "features", "2026-01-05")
+    storage.publish(_stage(target, {"part-old.parquet": "old"}), target, {"v": 1})
+    staging = _stage(target, {"part-0.parquet": "x"})
+    (staging / "part-1.parquet").write_text("not parquet")
+    with pytest.raises(objectstore.StorageError, match="part-1.parquet: cannot read it as Parquet"):
+        storage.publish(staging, target, {"v": 2})
+    assert _fields(storage.read_manifest(target)) == {"v": 1}
 
 
 def test_publish_replaces_an_older_partition_entirely(tmp_path):
@@ -98,7 +141,7 @@ def test_publish_replaces_an_older_partition_entirely(tmp_path):
     storage.publish(_stage(target, {"part-old.parquet": "old", "part-old2.parquet": "old"}), target, {"v": 1})
     storage.publish(_stage(target, {"part-new.parquet": "new"}), target, {"v": 2})
     assert storage.data_files(target) == ["part-new.parquet"]
-    assert storage.read_manifest(target) == {"v": 2}
+    assert _fields(storage.read_manifest(target)) == {"v": 2}
     assert sorted(p.name for p in target.parent.iterdir()) == ["ds=2026-01-05"]
 
 
@@ -107,14 +150,14 @@ def test_publish_keeps_the_older_partition_when_staging_is_missing(tmp_path):
     storage.publish(_stage(target, {"part-old.parquet": "old"}), target, {"v": 1})
     with pytest.raises(FileNotFoundError, match="nothing was written"):
         storage.publish(target.parent / ".missing", target, {"v": 2})
-    assert storage.read_manifest(target) == {"v": 1}
+    assert _fields(storage.read_manifest(target)) == {"v": 1}
 
 
 def test_publish_drops_a_success_marker_written_by_spark_into_staging(tmp_path):
     target = storage.partition_dir(tmp_path, "predictions", "2026-01-05")
     staging = _stage(target, {"_SUCCESS": "", "part-0.parquet": "x"})
     storage.publish(staging, target, {"v": 1})
-    assert json.loads((target / "_MANIFEST.json").read_text()) == {"v": 1}
+    assert _fields(json.loads((target / "_MANIFEST.json").read_text())) == {"v": 1}
     assert storage.is_published(target)
 
 

@@ -190,3 +190,69 @@ def test_training_holdout_hash_is_the_rule_for_ids_of_any_length():
     assert np.array_equal(holdout_mask(chunked, 0.2), expected)
     assert np.array_equal(holdout_mask(pa.array(ids, pa.string()).slice(3, 500), 0.2), expected[3:503])
     assert np.array_equal(holdout_mask(ids + ids[:50], 0.2), np.r_[expected, expected[:50]]), "repeated ids"
+
+
+def publish(root: Path, ds: str, parts: list[dict]) -> Path:
+    """A partition as the features job publishes it (hybridjobs.storage.publish): its manifest names each part
+    with its bytes and sha256, and ``_SUCCESS`` names the manifest's sha256."""
+    from hybridjobs import storage
+
+    staging = root / f".ds={ds}.staging"
+    staging.mkdir(parents=True)
+    for index, table in enumerate(parts):
+        pq.write_table(pa.table(table), staging / f"part-{index:05d}.parquet")
+    storage.publish(staging, root / f"ds={ds}", {"feature_columns": COLUMNS, "ds": ds})
+    return root / f"ds={ds}"
+
+
+def test_training_reads_the_parts_the_manifest_names_never_a_stray_file(tmp_path):
+    directory = publish(tmp_path, "2026-01-01", [GOOD, rows(["c3"], [1], [3.0], [3])])
+    pq.write_table(pa.table(rows(["stray"], [0], [9.0], [9])), directory / "part-00009.parquet")
+    data = read_feature_partitions(str(tmp_path), ("2026-01-01",))
+    assert data.customer_ids.to_pylist() == ["c1", "c2", "c3"]
+
+
+def replace_manifest(directory: Path, change) -> None:
+    manifest = json.loads((directory / "_MANIFEST.json").read_text())
+    change(manifest)
+    (directory / "_MANIFEST.json").write_text(json.dumps(manifest))
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def resign(directory: Path) -> None:
+    """_SUCCESS naming the manifest as it now is (a consistent publish of what the test changed)."""
+    body = (directory / "_MANIFEST.json").read_bytes()
+    (directory / "_SUCCESS").write_text(json.dumps({"manifest_sha256": hashlib.sha256(body).hexdigest()}))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: flip_last_byte(d / "part-00000.parquet"),
+         "ds=2026-01-01/part-00000.parquet: {size} bytes that are not those the manifest names"),
+        (lambda d: (d / "part-00000.parquet").write_bytes(b"PAR1"),
+         "ds=2026-01-01/part-00000.parquet: 4 bytes that are not those the manifest names"),
+        (lambda d: (d / "part-00000.parquet").unlink(), "part-00000.parquet is gone"),
+        (lambda d: replace_manifest(d, lambda m: m.update(row_count=7)), "is not the one _SUCCESS names"),
+        (lambda d: (replace_manifest(d, lambda m: m["parts"][0].update(key="../ds=2026-01-02/part-00000.parquet")),
+                    resign(d)), "expected key, bytes and sha256"),
+        (lambda d: (replace_manifest(d, lambda m: m["parts"][0].pop("sha256")), resign(d)),
+         "expected key, bytes and sha256"),
+        (lambda d: (replace_manifest(d, lambda m: m.update(parts="part-00000.parquet")), resign(d)),
+         "parts is 'part-00000.parquet', expected a list"),
+    ],
+    ids=["flipped-byte", "truncated", "part-gone", "manifest-not-the-published-one", "key-outside-partition",
+         "part-without-sha256", "parts-not-a-list"],
+)
+def test_training_refuses_a_partition_that_is_not_what_its_manifest_publishes(tmp_path, damage, message):
+    directory = publish(tmp_path, "2026-01-01", [GOOD])
+    size = (directory / "part-00000.parquet").stat().st_size
+    damage(directory)
+    with pytest.raises(FeatureDataError) as raised:
+        read_feature_partitions(str(tmp_path), ("2026-01-01",))
+    assert message.format(size=size) in str(raised.value)
