@@ -21,8 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hybridjobs import cli, features, objectstore  # noqa: E402
 from hybridjobs.spark import build_session  # noqa: E402
 
-STORAGE_FAILED = 4
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,9 +40,8 @@ def main(argv: list[str]) -> int:
         manifest = features.run(spark, args.root, args.ds, args.lookback_days)
     except cli.EXPECTED_FAILURES as err:
         return cli.failed("FEATURES", f"ds={args.ds}", err)
-    except objectstore.StorageError as err:  # the URI and the fix, never a key
-        print(f"FEATURES FAILED ds={args.ds}: {err}", file=sys.stderr, flush=True)
-        return STORAGE_FAILED
+    except objectstore.StorageError as err:
+        return cli.storage_failed("FEATURES", f"ds={args.ds}", err)
     finally:
         spark.stop()
     q = manifest["quarantine"]

@@ -8,8 +8,8 @@ Usage:
 
 Publishes <root>/raw/ds=<ds>/ (the tables events and labels as Parquet, _MANIFEST.json naming every part and
 the defects planted per kind, then _SUCCESS), replacing an earlier partition of the same ds. --root is a local
-path or s3://bucket/prefix (credentials: hybridjobs/objectstore.py). Prints one `RAW ...` line. Never imports
-Airflow.
+path or s3://bucket/prefix (credentials: hybridjobs/objectstore.py). Prints one `RAW ...` line. Exit codes: 0
+published, 2 bad arguments, 4 the storage root cannot be read or written. Never imports Airflow.
 """
 
 import argparse
@@ -100,9 +100,8 @@ def main(argv: list[str]) -> int:
             print(f"RAW ds={args.ds} already published under {args.root}; left as it is", flush=True)
             return 0
         details = publish(args, config, started)
-    except objectstore.StorageError as err:  # the URI and the fix, never a key
-        print(f"RAW FAILED: {err}", file=sys.stderr)
-        return 2
+    except objectstore.StorageError as err:
+        return cli.storage_failed("RAW", f"ds={args.ds}", err)
     seconds = round(time.monotonic() - started, 3)
     print(f"RAW ds={args.ds} rows={args.rows} customers={config.n_customers} "
           f"planted_defects={details['planted_defects_total']} seconds={seconds}", flush=True)

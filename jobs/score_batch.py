@@ -4,10 +4,12 @@ Usage:
   spark-submit jobs/score_batch.py --root /var/lib/hybridflow/storage --ds 2026-01-05 \
       --model /var/lib/hybridflow/storage/models/propensity/7/model.pt --model-version 7 [--batch-size 65536]
 
-Reads the published <root>/features/ds=<ds>/ (its _MANIFEST.json gives the feature column order), publishes
-<root>/predictions/ds=<ds>/ (customer_id, score float32, model_version) with _MANIFEST.json and _SUCCESS,
-replacing an earlier run of the same ds. Prints one `SCORING ... rows_per_s=...` line.
-Exit codes: 0 published, 2 features partition not published, 3 the model does not fit the features.
+Reads the published <root>/features/ds=<ds>/ (its _MANIFEST.json gives the feature column order and the parts),
+publishes <root>/predictions/ds=<ds>/ (customer_id, score float32, model_version) with _MANIFEST.json and _SUCCESS,
+replacing an earlier run of the same ds. --root is a local path or s3://bucket/prefix. Prints one
+`SCORING ... rows_per_s=...` line.
+Exit codes: 0 published, 2 features partition not published, 3 the model does not fit the features, 4 the
+storage root cannot be read or written.
 Executors need PYSPARK_PYTHON (or spark.pyspark.python) pointing at an interpreter with torch, pandas and
 pyarrow.
 """
@@ -18,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridjobs import cli, scoring  # noqa: E402
+from hybridjobs import cli, objectstore, scoring  # noqa: E402
 from hybridjobs.spark import build_session  # noqa: E402
 
 
@@ -39,6 +41,8 @@ def main(argv: list[str]) -> int:
                                args.batch_size)
     except cli.EXPECTED_FAILURES as err:
         return cli.failed("SCORING", f"ds={args.ds}", err)
+    except objectstore.StorageError as err:
+        return cli.storage_failed("SCORING", f"ds={args.ds}", err)
     finally:
         spark.stop()
     job = manifest["job"]

@@ -16,6 +16,9 @@ from hybridjobs.predictions import ModelContractError
 EXIT_CODES: dict[type[Exception], int] = {storage.PartitionNotPublishedError: 2, storage.ManifestError: 2,
                                           ModelContractError: 3}
 EXPECTED_FAILURES = tuple(EXIT_CODES)
+# The storage root cannot be read or written (hybridjobs.objectstore.StorageError: a missing bucket, wrong keys, an
+# endpoint that does not answer); the message names the URI and the fix, never a key.
+STORAGE_FAILED = 4
 
 
 def ds_argument(value: str) -> str:
@@ -53,3 +56,9 @@ def failed(stage: str, what: str, err: Exception) -> int:
     """Say why the job failed on stderr and return its exit code."""
     print(f"{stage} FAILED {what}: {err}", file=sys.stderr, flush=True)
     return next(code for kind, code in EXIT_CODES.items() if isinstance(err, kind))
+
+
+def storage_failed(stage: str, what: str, err: Exception) -> int:
+    """Say which URI the job could not read or write, and how to fix it, on stderr; return STORAGE_FAILED."""
+    print(f"{stage} FAILED {what}: {err}", file=sys.stderr, flush=True)
+    return STORAGE_FAILED

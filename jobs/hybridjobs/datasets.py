@@ -12,14 +12,19 @@ Either way the published manifest names every part with its bytes and sha256. A 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 
 from hybridjobs import manifests, objectstore, sparkio, storage
 from hybridjobs.layout import StorageLayout
+from hybridjobs.objectstore import S3Access
 
 
 def on_object_store(root: str) -> bool:
@@ -59,6 +64,37 @@ def table_rows(root: str, dataset: str, ds: str, table_name: str | None = None) 
     return manifests.parquet_rows(manifests.partition_files(uri, table_name or ""))
 
 
+@dataclass(frozen=True)
+class PartSink:
+    """Where one Spark task writes a Parquet part itself (the scoring job streams its rows through a
+    ``ParquetWriter``): a POSIX staging folder, the part renamed in whole when complete, or an attempt of an
+    object-store partition, the part put in one request. Travels to the executors in the task closure."""
+
+    staging: str | None = None
+    uri: str | None = None
+    attempt: str | None = None
+    access: S3Access | None = None
+
+    def write(self, index: int, schema: pa.Schema, fill: Callable[[pq.ParquetWriter], int],
+              task_try: int = 0) -> dict[str, Any]:
+        """Part ``index``: ``fill(writer)`` writes its rows and returns how many. Returns its entry (``key``,
+        ``rows``, and on an object store ``bytes`` and ``sha256``)."""
+        if self.staging is not None:
+            target = Path(self.staging) / f"part-{index:05d}.parquet"
+            partial = target.with_name(f".{target.name}.{os.getpid()}")  # a retried try replaces the part whole
+            with pq.ParquetWriter(partial, schema) as writer:  # no row group: still a file with the schema
+                rows = fill(writer)
+            partial.replace(target)
+            return {"key": target.name, "rows": rows}
+        buffer = pa.BufferOutputStream()
+        with pq.ParquetWriter(buffer, schema) as writer:
+            rows = fill(writer)
+        data = buffer.getvalue().to_pybytes()
+        key = objectstore.part_key(self.attempt, index, task_try)
+        objectstore.open_uri(self.uri, self.access).child(key).write_bytes(data)
+        return objectstore.part_entry(key, data, rows)
+
+
 class FolderOutput:
     """A partition on a POSIX root: Spark's writer into a hidden staging folder, renamed into place when
     published."""
@@ -78,6 +114,19 @@ class FolderOutput:
 
     def files(self) -> list[str]:
         return storage.data_files(self.staging)
+
+    @property
+    def where(self) -> str:
+        return f"the staging directory {self.staging}"
+
+    def part_sink(self) -> PartSink:
+        self.staging.mkdir(parents=True, exist_ok=True)
+        return PartSink(staging=str(self.staging))
+
+    def written(self, entries: list[dict[str, Any]], schema: pa.Schema) -> None:
+        """The parts the tasks wrote are the staging folder's files; a killed try's partial file goes."""
+        for leftover in self.staging.glob(".part-*"):
+            leftover.unlink()
 
     def publish(self, manifest: dict[str, Any]) -> dict[str, Any]:
         return storage.publish(self.staging, self.target, manifest)
@@ -113,9 +162,41 @@ class ObjectStoreOutput:
     def files(self) -> list[str]:
         return sorted(part["key"] for part in self.parts)
 
+    @property
+    def where(self) -> str:
+        return f"the uncommitted parts under {self.uri} (the next commit there removes them)"
+
+    def part_sink(self) -> PartSink:
+        attempt = objectstore.new_attempt()
+        # A bad URI, a missing bucket, wrong keys or a dead endpoint fail here, before any task runs.
+        objectstore.open_uri(self.uri, self.access).child(f"{objectstore.ATTEMPT_PREFIX}{attempt}",
+                                                          "_writable").write_bytes(b"")
+        return PartSink(uri=self.uri, attempt=attempt, access=self.access)
+
+    def written(self, entries: list[dict[str, Any]], schema: pa.Schema) -> None:
+        """The parts the tasks wrote, as their entries say (one per task; a killed try's is no entry's)."""
+        self.parts, self.schema, self._written = [dict(entry) for entry in entries], schema, None
+
     def publish(self, manifest: dict[str, Any]) -> dict[str, Any]:
         return objectstore.commit_partition(objectstore.open_uri(self.uri, self.access), self.parts, manifest,
                                             schema=self.schema)
+
+
+def read_features_manifest(root: str, ds: str) -> dict[str, Any]:
+    """The published features manifest of ``ds``, with the fields every reader of features relies on checked.
+
+    :raises storage.PartitionNotPublishedError: not published.
+    :raises storage.ManifestError: naming each bad field and the fix.
+    """
+    uri = partition_uri(root, "features", ds)
+    if not on_object_store(root):
+        return storage.read_features_manifest(uri)
+    try:
+        manifest = objectstore.read_manifest(objectstore.open_uri(uri, sparkio.access_for(uri)))
+    except objectstore.PartitionNotPublished as error:
+        raise storage.PartitionNotPublishedError(f"{uri} is not published: {error}; run the features job for this "
+                                                 f"ds first") from None
+    return storage.check_features_manifest(manifest, f"{uri}/{storage.MANIFEST_NAME}")
 
 
 def output(root: str, dataset: str, ds: str) -> FolderOutput | ObjectStoreOutput:

@@ -208,10 +208,15 @@ def write_part(partition: Location, attempt: str, index: int, table: pa.Table, t
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     data = sink.getvalue().to_pybytes()
-    folder = f"{ATTEMPT_PREFIX}{attempt}/{table_name}/" if table_name else f"{ATTEMPT_PREFIX}{attempt}/"
-    key = f"{folder}part-{index:05d}-{task_try}.parquet"
+    key = part_key(attempt, index, task_try, table_name)
     partition.child(key).write_bytes(data)
     return part_entry(key, data, table.num_rows, table_name)
+
+
+def part_key(attempt: str, index: int, task_try: int = 0, table_name: str | None = None) -> str:
+    """Where part ``index`` of ``attempt`` lies in its partition (its table's folder, if named)."""
+    folder = f"{ATTEMPT_PREFIX}{attempt}/{table_name}/" if table_name else f"{ATTEMPT_PREFIX}{attempt}/"
+    return f"{folder}part-{index:05d}-{task_try}.parquet"
 
 
 def part_entry(key: str, data: bytes, rows: int, table_name: str | None = None) -> dict[str, Any]:

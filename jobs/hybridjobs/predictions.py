@@ -7,7 +7,7 @@ has torch and pyarrow but no pyspark.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -184,11 +184,21 @@ def manifest(staging: Path, ds: str, features_manifest: dict[str, Any], columns:
              job: dict[str, Any], model_path: str, model_version: str) -> dict[str, Any]:
     """The predictions manifest of a staged partition, after checking its row count against the features
     manifest (a mismatch publishes nothing and leaves the staging directory for inspection)."""
-    stats = manifests.column_stats(manifests.partition_files(staging), list(PREDICTION_COLUMNS), ["score"])
-    rows = stats["row_count"]
+    files = manifests.partition_files(staging)
+    return manifest_of(lambda names: manifests.read_files(files, names), manifests.parquet_rows(files),
+                       storage.data_files(staging), f"the staging directory {staging}", ds, features_manifest,
+                       columns, job, model_path, model_version)
+
+
+def manifest_of(read: Callable[[list[str]], pa.Table], rows: int, files: list[str], left: str, ds: str,
+                features_manifest: dict[str, Any], columns: list[dict[str, str]], job: dict[str, Any],
+                model_path: str, model_version: str) -> dict[str, Any]:
+    """The predictions manifest of ``rows`` scored rows that ``read(column names)`` returns, written as ``files``
+    (``left``: where they stay when the row count does not match the features manifest)."""
+    stats = manifests.table_stats(read, rows, list(PREDICTION_COLUMNS), ["score"])
     if rows != features_manifest["row_count"]:
         raise RuntimeError(f"scored {rows} rows but features/ds={ds} has {features_manifest['row_count']}: "
-                           f"not publishing; the staging directory {staging} is left for inspection")
+                           f"not publishing; {left} is left for inspection")
     built = storage.base_manifest("predictions", ds, rows, columns, job)
     built.update(
         model={"path": model_path, "version": model_version, "sha256": file_sha256(model_path)},
@@ -198,6 +208,6 @@ def manifest(staging: Path, ds: str, features_manifest: dict[str, Any], columns:
         null_ratio=stats["null_ratio"],
         nan_ratio=stats["nan_ratio"],
         score_stats=stats["feature_stats"]["score"],
-        files=storage.data_files(staging),
+        files=files,
     )
     return built

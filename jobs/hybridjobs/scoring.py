@@ -19,16 +19,18 @@ after the other), against 0.2x for ``mapInPandas`` over Spark's reader and write
 - One Python worker per core, so torch runs on one thread and pyarrow without its thread pool in each. Spark
   reuses its Python workers across tasks (``spark.python.worker.reuse``, on by default) and ``load_model``
   caches per process: one model load per worker.
-- A task writes ``part-<task>.parquet`` under a hidden temporary name and renames it when complete, so a retried
-  or speculative attempt replaces the file whole; the job publishes the staging directory only after every
-  task succeeded and the row count matches the features manifest.
+- A task writes its part through a ``datasets.PartSink``: on a POSIX root ``part-<task>.parquet`` under a hidden
+  temporary name, renamed when complete, so a retried or speculative attempt replaces the file whole; on an
+  object store one PUT of the whole part under the job's attempt, which only the commit's manifest names. The job
+  publishes only after every task succeeded and the row count matches the features manifest.
+- The tasks read the features parts the manifest names (their footers planned on the driver), through pyarrow's
+  filesystem for the root: ``s3://`` needs no Hadoop connector.
 
-The features, the model and the staging directory must be on storage the driver and the executors share.
+The model must be a path every executor reads (the local stack: the shared storage root).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -36,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 
-from hybridjobs import manifests, predictions, storage
+from hybridjobs import datasets, manifests, objectstore, predictions, sparkio, storage
+from hybridjobs.objectstore import S3Access
 from hybridjobs.predictions import (
     COLUMNS,
     DEFAULT_BATCH_SIZE,
@@ -53,7 +57,10 @@ from hybridjobs.spark import job_section
 
 __all__ = ["COLUMNS", "DEFAULT_BATCH_SIZE", "SCHEMA", "ModelContractError", "assign_row_groups", "batch_inputs",
            "check_model", "load_model", "plan", "run", "score_tasks"]
-WRITTEN_SCHEMA = "file string, rows long"
+# One row per task: its part's entry (bytes and sha256 only where the task hashed what it put: an object store).
+WRITTEN_FIELDS = pa.schema([("key", pa.string()), ("rows", pa.int64()), ("bytes", pa.int64()),
+                            ("sha256", pa.string())])
+WRITTEN_SCHEMA = "key string, rows long, bytes long, sha256 string"
 RowGroup = tuple[str, int]  # (Parquet file, row group index)
 
 
@@ -68,64 +75,75 @@ def assign_row_groups(row_groups: Sequence[tuple[str, int, int]], tasks: int) ->
     return [sorted(assigned) for _, assigned in loads]
 
 
-def score_tasks(task_ids: Iterator[pa.RecordBatch], tasks: Sequence[Sequence[RowGroup]], staging: str,
-                model_path: str, feature_columns: Sequence[str], model_version: str,
-                batch_size: int) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body over task ids: scores each task's row groups into ``<staging>/part-<task>.parquet``
-    and yields one (file, rows) row per task."""
+def score_tasks(task_ids: Iterator[pa.RecordBatch], tasks: Sequence[Sequence[RowGroup]], sink: datasets.PartSink,
+                model_path: str, feature_columns: Sequence[str], model_version: str, batch_size: int,
+                features_uri: str | None = None, access: S3Access | None = None) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body over task ids: scores each task's row groups (paths in the filesystem of
+    ``features_uri``; local paths without one) into part ``<task>`` of ``sink`` and yields its entry."""
     import torch
+    from pyspark import TaskContext
 
     torch.set_num_threads(1)  # Spark already runs one Python worker per core
     model = load_model(model_path)
+    filesystem = objectstore.open_uri(features_uri, access).filesystem if features_uri else pafs.LocalFileSystem()
     columns = ["customer_id", *feature_columns]
+    context = TaskContext.get()
+    task_try = context.attemptNumber() if context else 0
     for ids in task_ids:
         for task in ids.column(0).to_pylist():
-            target = Path(staging) / f"part-{task:05d}.parquet"
-            partial_file = target.with_name(f".{target.name}.{os.getpid()}")
-            rows = 0
-            with pq.ParquetWriter(partial_file, SCHEMA) as writer:  # no row group: still a file with the schema
-                for path, index in tasks[task]:
+            def fill(writer: pq.ParquetWriter, row_groups: Sequence[RowGroup] = tasks[task]) -> int:
+                rows = 0
+                for path, index in row_groups:
                     # use_threads=False: the other cores run the other tasks
-                    batches = pq.ParquetFile(path).iter_batches(batch_size, row_groups=[index], columns=columns,
-                                                                use_threads=False)
+                    batches = pq.ParquetFile(filesystem.open_input_file(path)).iter_batches(
+                        batch_size, row_groups=[index], columns=columns, use_threads=False)
                     rows += predictions.write_scored(writer, model, batches, feature_columns, model_version)
-            partial_file.replace(target)
-            yield pa.record_batch({"file": [target.name], "rows": [rows]})
+                return rows
+
+            entry = sink.write(task, SCHEMA, fill, task_try)
+            yield pa.RecordBatch.from_pylist([{field.name: entry.get(field.name) for field in WRITTEN_FIELDS}],
+                                             schema=WRITTEN_FIELDS)
 
 
-def plan(features_dir: Path, parallelism: int) -> list[list[RowGroup]]:
-    """The tasks of a features partition, from its Parquet footers."""
+def plan(features: str | Path, parallelism: int, parts: Sequence[dict[str, Any]] | None = None,
+         access: S3Access | None = None) -> list[list[RowGroup]]:
+    """The tasks of a features partition, from the footers of the parts its manifest names (of its files, for a
+    partition published before manifests named their parts)."""
+    partition = objectstore.open_uri(str(features), access)
+    paths = ([f"{partition.path}/{part['key']}" for part in parts] if parts is not None
+             else [str(path) for path in manifests.partition_files(partition.path)])
     row_groups = []
-    for path in manifests.partition_files(features_dir):
-        metadata = pq.ParquetFile(path).metadata
-        row_groups += [(str(path), i, metadata.row_group(i).num_rows) for i in range(metadata.num_row_groups)]
+    for path in paths:
+        metadata = pq.ParquetFile(partition.filesystem.open_input_file(path)).metadata
+        row_groups += [(path, i, metadata.row_group(i).num_rows) for i in range(metadata.num_row_groups)]
     return assign_row_groups(row_groups, parallelism)
 
 
 def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version: str,
         batch_size: int = DEFAULT_BATCH_SIZE) -> dict[str, Any]:
-    """Scores ``features/ds=<ds>`` and publishes ``predictions/ds=<ds>``; returns the predictions manifest."""
+    """Scores ``features/ds=<ds>`` and publishes ``predictions/ds=<ds>`` under ``root`` (a local path or
+    ``s3://bucket/prefix``); returns the predictions manifest."""
     predictions.check_version(model_version)
     started = time.monotonic()
     storage.parse_ds(ds)  # checked once, before any path is built from it
-    partitions = storage.Partitions.under(root)
-    features_dir = partitions.dir("features", ds)
-    features_manifest = storage.read_features_manifest(features_dir)
+    features_uri = datasets.partition_uri(root, "features", ds)
+    access = sparkio.access_for(features_uri)
+    features_manifest = datasets.read_features_manifest(root, ds)
     feature_columns = list(features_manifest["feature_columns"])
     check_model(model_path, len(feature_columns))
 
-    target = partitions.dir("predictions", ds)
-    staging = storage.new_staging_dir(target)
-    staging.mkdir()
-    tasks = plan(features_dir, spark.sparkContext.defaultParallelism)
-    scorer = partial(score_tasks, tasks=tasks, staging=str(staging), model_path=model_path,
-                     feature_columns=tuple(feature_columns), model_version=model_version, batch_size=batch_size)
-    spark.range(len(tasks), numPartitions=len(tasks)).mapInArrow(scorer, WRITTEN_SCHEMA).collect()
-    for leftover in staging.glob(".part-*"):  # a killed attempt's partial file; its retry wrote the part whole
-        leftover.unlink()
+    out = datasets.output(root, "predictions", ds)
+    tasks = plan(features_uri, spark.sparkContext.defaultParallelism, features_manifest.get("parts"), access)
+    scorer = partial(score_tasks, tasks=tasks, sink=out.part_sink(), model_path=model_path,
+                     feature_columns=tuple(feature_columns), model_version=model_version, batch_size=batch_size,
+                     features_uri=features_uri, access=access)
+    written = spark.range(len(tasks), numPartitions=len(tasks)).mapInArrow(scorer, WRITTEN_SCHEMA).collect()
+    out.written([{key: value for key, value in row.asDict().items() if value is not None} for row in written],
+                SCHEMA)
 
-    rows = features_manifest["row_count"]  # checked against the staged files by predictions.manifest
     # the Spark route scores on CPUs, where bf16 gains nothing: float32 whatever the export's check allowed
-    job = job_section(spark, "score_batch", started, rows, batch_size=batch_size, precision="fp32")
-    manifest = predictions.manifest(staging, ds, features_manifest, COLUMNS, job, model_path, model_version)
-    return storage.publish(staging, target, manifest)
+    job = job_section(spark, "score_batch", started, features_manifest["row_count"], batch_size=batch_size,
+                      precision="fp32")
+    manifest = predictions.manifest_of(out.read, out.rows(), out.files(), out.where, ds,
+                                       features_manifest, COLUMNS, job, model_path, model_version)
+    return out.publish(manifest)

@@ -122,7 +122,11 @@ def read_features_manifest(partition: str | os.PathLike) -> dict[str, Any]:
     :raises PartitionNotPublishedError: no ``_SUCCESS``.
     :raises ManifestError: naming each bad field and the fix.
     """
-    manifest = read_manifest(partition)
+    return check_features_manifest(read_manifest(partition), Path(partition) / MANIFEST_NAME)
+
+
+def check_features_manifest(manifest: dict[str, Any], where: str | os.PathLike) -> dict[str, Any]:
+    """``manifest`` if it has ``feature_columns`` and ``row_count``; else ManifestError naming ``where``."""
     columns, rows = manifest.get("feature_columns"), manifest.get("row_count")
     problems = []
     if not isinstance(columns, list) or not columns or not all(isinstance(c, str) and c for c in columns):
@@ -130,7 +134,7 @@ def read_features_manifest(partition: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
         problems.append(f"row_count is {rows!r}, expected a count of rows >= 0")
     if problems:
-        raise ManifestError(f"{Path(partition) / MANIFEST_NAME}: {'; '.join(problems)}: republish the partition "
+        raise ManifestError(f"{where}: {'; '.join(problems)}: republish the partition "
                             "(jobs/build_features.py writes both)")
     return manifest
 

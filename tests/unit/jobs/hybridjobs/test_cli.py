@@ -22,6 +22,15 @@ def test_failed_maps_each_expected_failure_to_its_exit_code(err, code, capsys):
     assert capsys.readouterr().err == f"SCORING FAILED ds=2026-01-05: {err}\n"
 
 
+def test_a_storage_failure_has_its_own_exit_code_and_names_the_uri(capsys):
+    from hybridjobs.objectstore import StorageError
+
+    err = StorageError("s3://bucket/raw/ds=2026-01-05/_SUCCESS: bucket bucket does not exist")
+    assert cli.storage_failed("RAW", "ds=2026-01-05", err) == cli.STORAGE_FAILED == 4
+    assert capsys.readouterr().err == f"RAW FAILED ds=2026-01-05: {err}\n"
+    assert cli.STORAGE_FAILED not in cli.EXIT_CODES.values()
+
+
 def parser_with_model_args() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     cli.add_partition_args(parser)

@@ -1,7 +1,7 @@
-"""The raw generator and the features job on either storage root: a real Spark in local mode (no Hadoop S3
-connector) and an S3 endpoint (moto's server in this process) against a POSIX folder. The same raw data gives the
-same features, quarantine and manifest figures on both, and a training job reads the object store's features as it
-reads the folder's. One Spark session for the module."""
+"""The raw generator, the features job and batch scoring on either storage root: a real Spark in local mode (no
+Hadoop S3 connector) and an S3 endpoint (moto's server in this process) against a POSIX folder. The same raw data
+gives the same features, quarantine, manifest figures and predictions on both, and a training job reads the object
+store's features as it reads the folder's. One Spark session for the module."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from hybridjobs import datasets, features, objectstore, storage
+import torch
+from hybridjobs import cli, datasets, features, objectstore, scoring, storage
 from hybridjobs.objectstore import open_uri
 from hybridtrain.features import read_feature_partitions
 
@@ -54,7 +55,8 @@ def features_table(root: str, ds: str) -> pa.Table:
 FIGURES = ("row_count", "feature_columns", "null_ratio", "nan_ratio", "label_rate", "feature_stats", "input")
 
 
-def test_features_job_on_an_object_store_publishes_what_it_publishes_on_a_posix_root(spark, s3_root, tmp_path):
+def test_features_and_scoring_on_an_object_store_publish_what_they_publish_on_a_posix_root(spark, s3_root,
+                                                                                          tmp_path):
     posix_root = str(tmp_path / "storage")
     for root in (posix_root, s3_root):
         for ds in DAYS:
@@ -83,6 +85,20 @@ def test_features_job_on_an_object_store_publishes_what_it_publishes_on_a_posix_
     assert from_s3.customer_ids.equals(from_posix.customer_ids)
     assert (from_s3.features == from_posix.features).all()
     assert SECRET not in json.dumps(manifest)
+
+    # Batch scoring reads the features parts and publishes predictions on the object store as on POSIX.
+    model_path = tmp_path / "model.pt"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(len(features.FEATURE_COLUMNS), 1), torch.nn.Sigmoid()).eval()
+    torch.jit.script(model).save(str(model_path))
+    scored = {root: scoring.run(spark, root, DAYS[1], str(model_path), "v1") for root in (posix_root, s3_root)}
+    assert scored[s3_root]["row_count"] == scored[posix_root]["row_count"] == on_posix["row_count"]
+    # the same scores, summed in another order: equal to the last rounded digit
+    assert scored[s3_root]["score_stats"] == pytest.approx(scored[posix_root]["score_stats"], abs=2e-6)
+    s3_predictions = objectstore.read_partition(open_uri(datasets.partition_uri(s3_root, "predictions", DAYS[1])))
+    posix_predictions = objectstore.read_partition(open_uri(datasets.partition_uri(posix_root, "predictions",
+                                                                                  DAYS[1])))
+    assert s3_predictions.sort_by("customer_id").equals(posix_predictions.sort_by("customer_id"))
 
 
 def test_a_posix_partition_reads_through_the_object_store_reader_table_by_table(tmp_path):
@@ -122,7 +138,7 @@ def test_generator_and_features_job_fail_in_seconds_naming_the_uri_never_the_key
         monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
         root = s3_root
     done = generate_raw(root, DAYS[0])
-    assert done.returncode == 2
+    assert done.returncode == cli.STORAGE_FAILED
     assert f"{root}/raw/ds={DAYS[0]}" in done.stderr and SECRET not in done.stderr + done.stdout
 
     with pytest.raises(objectstore.StorageError) as raised:

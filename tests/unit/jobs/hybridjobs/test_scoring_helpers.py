@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hybridjobs import scoring, storage
+from hybridjobs import datasets, scoring, storage
 
 
 def save_model(path: Path, n_features: int, out_features: int = 1) -> torch.nn.Module:
@@ -78,11 +78,13 @@ def test_score_tasks_write_one_predictions_file_per_task_with_the_contract_schem
     staging = tmp_path / "staging"
     staging.mkdir()
 
-    written = list(scoring.score_tasks(iter([pa.record_batch({"id": [1, 2]})]), tasks, str(staging),
+    sink = datasets.PartSink(staging=str(staging))
+    written = list(scoring.score_tasks(iter([pa.record_batch({"id": [1, 2]})]), tasks, sink,
                                        str(tmp_path / "m.pt"), ("a", "b", "c"), "v7", batch_size=3))
 
-    assert pa.Table.from_batches(written).to_pylist() == [{"file": "part-00001.parquet", "rows": 7},
-                                                          {"file": "part-00002.parquet", "rows": 0}]
+    assert pa.Table.from_batches(written).to_pylist() == [
+        {"key": "part-00001.parquet", "rows": 7, "bytes": None, "sha256": None},
+        {"key": "part-00002.parquet", "rows": 0, "bytes": None, "sha256": None}]
     assert sorted(p.name for p in staging.iterdir()) == ["part-00001.parquet", "part-00002.parquet"]
     scored = pq.read_table(staging / "part-00001.parquet")
     assert scored.schema.equals(scoring.SCHEMA)
@@ -96,7 +98,7 @@ def test_score_tasks_write_one_predictions_file_per_task_with_the_contract_schem
     assert pq.read_table(staging / "part-00002.parquet").schema.equals(scoring.SCHEMA)
     assert torch.get_num_threads() == 1  # one Python worker per core already
 
-    retried = list(scoring.score_tasks(iter([pa.record_batch({"id": [1]})]), tasks, str(staging),
+    retried = list(scoring.score_tasks(iter([pa.record_batch({"id": [1]})]), tasks, sink,
                                        str(tmp_path / "m.pt"), ("a", "b", "c"), "v7", batch_size=3))
     assert pa.Table.from_batches(retried)["rows"].to_pylist() == [7]
     assert sorted(p.name for p in staging.iterdir()) == ["part-00001.parquet", "part-00002.parquet"]
