@@ -21,7 +21,7 @@ import pyarrow as pa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hybridjobs import cli, objectstore, storage  # noqa: E402
+from hybridjobs import cli, objectstore, partitions, storage  # noqa: E402
 from hybridjobs.generator import RAW_COLUMNS, GeneratorConfig, generate_partition, parse_defect_weights  # noqa: E402
 
 RAW_MANIFEST_COLUMNS = [{"name": c, "type": "binary"} for c in RAW_COLUMNS]
@@ -44,16 +44,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def job_section(args: argparse.Namespace, started: float) -> dict:
     seconds = round(time.monotonic() - started, 3)
     return {"name": "generate_raw", "seconds": seconds, "rows_per_s": round(args.rows / seconds, 1)}
-
-
-def is_published(root: str, ds: str) -> bool:
-    if not root.startswith("s3://"):
-        return storage.is_published(storage.partition_dir(root, "raw", ds))
-    try:
-        objectstore.read_manifest(objectstore.open_uri(f"{root.rstrip('/')}/raw/ds={ds}"))
-        return True
-    except objectstore.PartitionNotPublished:
-        return False
 
 
 def publish_to_folder(args: argparse.Namespace, config: GeneratorConfig, started: float) -> dict:
@@ -96,7 +86,7 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     publish = publish_to_object_store if args.root.startswith("s3://") else publish_to_folder
     try:
-        if args.skip_if_published and is_published(args.root, args.ds):
+        if args.skip_if_published and partitions.is_published(args.root, "raw", args.ds):
             print(f"RAW ds={args.ds} already published under {args.root}; left as it is", flush=True)
             return 0
         details = publish(args, config, started)

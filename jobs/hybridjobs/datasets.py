@@ -23,27 +23,8 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 
 from hybridjobs import manifests, objectstore, sparkio, storage
-from hybridjobs.layout import StorageLayout
 from hybridjobs.objectstore import S3Access
-
-
-def on_object_store(root: str) -> bool:
-    return root.startswith("s3://")
-
-
-def partition_uri(root: str, dataset: str, ds: str) -> str:
-    return StorageLayout(root.rstrip("/")).partition(dataset, ds)
-
-
-def is_published(root: str, dataset: str, ds: str) -> bool:
-    uri = partition_uri(root, dataset, ds)
-    if not on_object_store(root):
-        return storage.is_published(uri)
-    try:
-        objectstore.read_manifest(objectstore.open_uri(uri, sparkio.access_for(uri)))
-        return True
-    except objectstore.PartitionNotPublished:
-        return False
+from hybridjobs.partitions import on_object_store, partition_uri
 
 
 def read_table(spark: SparkSession, root: str, dataset: str, ds: str, columns: list[str],
@@ -53,15 +34,6 @@ def read_table(spark: SparkSession, root: str, dataset: str, ds: str, columns: l
     if on_object_store(root):
         return sparkio.read_partition(spark, uri, columns, table_name=table_name)
     return spark.read.parquet(f"{uri}/{table_name}" if table_name else uri).select(*columns)
-
-
-def table_rows(root: str, dataset: str, ds: str, table_name: str | None = None) -> int:
-    """Rows of a published partition (of its table ``table_name``): the manifest's parts, or the files' footers."""
-    uri = partition_uri(root, dataset, ds)
-    if on_object_store(root):
-        manifest = objectstore.read_manifest(objectstore.open_uri(uri, sparkio.access_for(uri)))
-        return sum(part["rows"] for part in objectstore.parts_of(manifest, table_name))
-    return manifests.parquet_rows(manifests.partition_files(uri, table_name or ""))
 
 
 @dataclass(frozen=True)
@@ -180,23 +152,6 @@ class ObjectStoreOutput:
     def publish(self, manifest: dict[str, Any]) -> dict[str, Any]:
         return objectstore.commit_partition(objectstore.open_uri(self.uri, self.access), self.parts, manifest,
                                             schema=self.schema)
-
-
-def read_features_manifest(root: str, ds: str) -> dict[str, Any]:
-    """The published features manifest of ``ds``, with the fields every reader of features relies on checked.
-
-    :raises storage.PartitionNotPublishedError: not published.
-    :raises storage.ManifestError: naming each bad field and the fix.
-    """
-    uri = partition_uri(root, "features", ds)
-    if not on_object_store(root):
-        return storage.read_features_manifest(uri)
-    try:
-        manifest = objectstore.read_manifest(objectstore.open_uri(uri, sparkio.access_for(uri)))
-    except objectstore.PartitionNotPublished as error:
-        raise storage.PartitionNotPublishedError(f"{uri} is not published: {error}; run the features job for this "
-                                                 f"ds first") from None
-    return storage.check_features_manifest(manifest, f"{uri}/{storage.MANIFEST_NAME}")
 
 
 def output(root: str, dataset: str, ds: str) -> FolderOutput | ObjectStoreOutput:

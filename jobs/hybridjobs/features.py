@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from hybridjobs import datasets, manifests, storage
+from hybridjobs import datasets, manifests, partitions, storage
 from hybridjobs.manifests import QUARANTINE_REASONS
 from hybridjobs.spark import job_section, manifest_columns
 
@@ -64,12 +64,12 @@ OUTPUT_COLUMNS = ("customer_id", "label", *FEATURE_COLUMNS)
 def read_raw_events(spark: SparkSession, root: str, ds: str, window: list[str]) -> tuple[DataFrame, list[str]]:
     """Published raw events of ``ds`` and of the look-back days (``window``) that exist, tagged with their
     partition."""
-    if not datasets.is_published(root, "raw", ds):
+    if not partitions.is_published(root, "raw", ds):
         raise storage.PartitionNotPublishedError(
-            f"raw partition {datasets.partition_uri(root, 'raw', ds)} is not published (no _SUCCESS): generate or "
+            f"raw partition {partitions.partition_uri(root, 'raw', ds)} is not published (no _SUCCESS): generate or "
             f"land raw data for ds={ds} first"
         )
-    found = [d for d in window if datasets.is_published(root, "raw", d)]
+    found = [d for d in window if partitions.is_published(root, "raw", d)]
     frames = [
         datasets.read_table(spark, root, "raw", d, list(RAW_COLUMNS), "events")
         .withColumn("source_ds", F.lit(d))
@@ -201,8 +201,8 @@ def run(spark: SparkSession, root: str, ds: str,
     ).select(*OUTPUT_COLUMNS)
     features_out.write(features)
 
-    raw_rows = datasets.table_rows(root, "raw", ds, "events")
-    window_rows = sum(datasets.table_rows(root, "raw", d, "events") for d in found)
+    rows_by_day = {d: partitions.table_rows(root, "raw", d, "events") for d in found}  # ds is among them
+    raw_rows, window_rows = rows_by_day[ds], sum(rows_by_day.values())
     by_reason = manifests.count_by(quarantine_out.read(["reason"]), "reason", QUARANTINE_REASONS)
     quarantined = sum(by_reason.values())
     stats = manifests.table_stats(features_out.read, features_out.rows(), OUTPUT_COLUMNS, FEATURE_COLUMNS)

@@ -42,7 +42,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 
-from hybridjobs import datasets, manifests, objectstore, predictions, sparkio, storage
+from hybridjobs import datasets, manifests, objectstore, partitions, predictions, sparkio, storage
 from hybridjobs.objectstore import S3Access
 from hybridjobs.predictions import (
     COLUMNS,
@@ -126,9 +126,9 @@ def run(spark: SparkSession, root: str, ds: str, model_path: str, model_version:
     predictions.check_version(model_version)
     started = time.monotonic()
     storage.parse_ds(ds)  # checked once, before any path is built from it
-    features_uri = datasets.partition_uri(root, "features", ds)
+    features_uri = partitions.partition_uri(root, "features", ds)
     access = sparkio.access_for(features_uri)
-    features_manifest = datasets.read_features_manifest(root, ds)
+    features_manifest = partitions.read_features_manifest(root, ds)
     feature_columns = list(features_manifest["feature_columns"])
     check_model(model_path, len(feature_columns))
 

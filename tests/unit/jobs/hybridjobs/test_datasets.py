@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hybridjobs import cli, datasets, features, objectstore, scoring, storage
+from hybridjobs import cli, features, objectstore, partitions, scoring, storage
 from hybridjobs.objectstore import open_uri
 from hybridtrain.features import read_feature_partitions
 
@@ -44,8 +44,8 @@ def generate_raw(root: str, ds: str, *extra: str) -> subprocess.CompletedProcess
 
 
 def features_table(root: str, ds: str) -> pa.Table:
-    uri = datasets.partition_uri(root, "features", ds)
-    if datasets.on_object_store(root):
+    uri = partitions.partition_uri(root, "features", ds)
+    if partitions.on_object_store(root):
         table = objectstore.read_partition(open_uri(uri))
     else:
         table = pa.concat_tables(pq.read_table(Path(uri) / name) for name in storage.data_files(uri))
@@ -72,7 +72,7 @@ def test_features_and_scoring_on_an_object_store_publish_what_they_publish_on_a_
     assert features_table(s3_root, DAYS[1]).equals(features_table(posix_root, DAYS[1]))
 
     # What the object store holds under the partition is exactly what its manifest names.
-    partition = open_uri(datasets.partition_uri(s3_root, "features", DAYS[1]))
+    partition = open_uri(partitions.partition_uri(s3_root, "features", DAYS[1]))
     manifest = objectstore.read_manifest(partition)
     listed = {info.path.removeprefix(partition.path + "/") for info in partition.filesystem.get_file_info(
         pafs.FileSelector(partition.path, recursive=True)) if info.type == pafs.FileType.File}
@@ -95,8 +95,8 @@ def test_features_and_scoring_on_an_object_store_publish_what_they_publish_on_a_
     assert scored[s3_root]["row_count"] == scored[posix_root]["row_count"] == on_posix["row_count"]
     # the same scores, summed in another order: equal to the last rounded digit
     assert scored[s3_root]["score_stats"] == pytest.approx(scored[posix_root]["score_stats"], abs=2e-6)
-    s3_predictions = objectstore.read_partition(open_uri(datasets.partition_uri(s3_root, "predictions", DAYS[1])))
-    posix_predictions = objectstore.read_partition(open_uri(datasets.partition_uri(posix_root, "predictions",
+    s3_predictions = objectstore.read_partition(open_uri(partitions.partition_uri(s3_root, "predictions", DAYS[1])))
+    posix_predictions = objectstore.read_partition(open_uri(partitions.partition_uri(posix_root, "predictions",
                                                                                   DAYS[1])))
     assert s3_predictions.sort_by("customer_id").equals(posix_predictions.sort_by("customer_id"))
 
@@ -105,24 +105,24 @@ def test_a_posix_partition_reads_through_the_object_store_reader_table_by_table(
     root = str(tmp_path / "storage")
     done = generate_raw(root, DAYS[0])
     assert done.returncode == 0, done.stderr
-    partition = open_uri(datasets.partition_uri(root, "raw", DAYS[0]))
+    partition = open_uri(partitions.partition_uri(root, "raw", DAYS[0]))
     manifest = objectstore.read_manifest(partition)  # _SUCCESS names this manifest's sha256
     assert {part.get("table") for part in manifest["parts"]} == {"events", "labels"}
     assert objectstore.read_partition(partition, ["customer_id"], table_name="events").num_rows == 3000
     assert objectstore.read_partition(partition, table_name="labels").num_rows == manifest["labels"]["row_count"]
-    assert datasets.table_rows(root, "raw", DAYS[0], "events") == 3000
+    assert partitions.table_rows(root, "raw", DAYS[0], "events") == 3000
 
 
 def test_generator_on_an_object_store_publishes_two_tables_and_skips_a_published_day(s3_root):
     done = generate_raw(s3_root, DAYS[0])
     assert done.returncode == 0, done.stderr
-    partition = open_uri(datasets.partition_uri(s3_root, "raw", DAYS[0]))
+    partition = open_uri(partitions.partition_uri(s3_root, "raw", DAYS[0]))
     manifest = objectstore.read_manifest(partition)
     assert manifest["row_count"] == 3000 and manifest["planted_defects_total"] > 0
     events = objectstore.read_partition(partition, table_name="events")
     assert events.num_rows == 3000 and events.schema.field("customer_id").type == pa.binary()
     assert objectstore.read_partition(partition, table_name="labels").column_names == ["customer_id", "label"]
-    assert datasets.table_rows(s3_root, "raw", DAYS[0], "events") == 3000
+    assert partitions.table_rows(s3_root, "raw", DAYS[0], "events") == 3000
 
     again = generate_raw(s3_root, DAYS[0], "--skip-if-published")
     assert again.returncode == 0 and "already published" in again.stdout
