@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Asset, Param, TaskGroup, task
 from hybridflow.config import DEPLOY_MODES, DEVICES, model_preset_names, pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS, run_deadline, spark_submit_defaults
 from hybridflow.layout import TrainingRunDir
 from hybridflow.operators.report import RunReportOperator
+from hybridflow.operators.spark import StorageSparkSubmitOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, approval_tasks, deploy_kwargs
 from hybridflow.params import integer, stall_watch, strict_params
@@ -172,7 +172,7 @@ with DAG(
         preflight_ok = allreduce_preflight(run_plan)
 
     with TaskGroup("features", tooltip="Spark: raw events -> per-customer features, quarantine") as features:
-        build_features = SparkSubmitOperator(
+        build_features = StorageSparkSubmitOperator(
             task_id="build_features",
             **spark_submit_defaults(),
             application=str(jobs_dir() / "build_features.py"),
@@ -287,7 +287,7 @@ with DAG(
             return model_of_record(config)
 
         champion = model_of_record()
-        score = SparkSubmitOperator(
+        score = StorageSparkSubmitOperator(
             task_id="score_batch",
             **spark_submit_defaults(),
             application=str(jobs_dir() / "score_batch.py"),

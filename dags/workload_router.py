@@ -25,12 +25,12 @@ hand. Runbook: `include/runbooks/workload-router.md`.
 
 from __future__ import annotations
 
-from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Param, task
 from hybridflow.config import pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS, spark_submit_defaults
 from hybridflow.layout import LOGS_DIR
 from hybridflow.operators.slurm import SlurmSubmitOperator
+from hybridflow.operators.spark import StorageSparkSubmitOperator
 from hybridflow.operators.triton import TritonDeployOperator, deploy_kwargs
 from hybridflow.params import closed_object, number, strict_params, workload_config
 from hybridflow.pipeline.router_tasks import BRANCHES, RUNBOOK
@@ -82,7 +82,7 @@ with DAG(
     routed = route()
     chosen = choose_side(routed["decision"], routed["deploy"])
 
-    run_on_cpu_spark = SparkSubmitOperator(
+    run_on_cpu_spark = StorageSparkSubmitOperator(
         task_id="run_on_cpu_spark",
         **spark_submit_defaults(),
         application=routed["spark_application"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -293,3 +294,18 @@ def client_loop(stack, tmp_path):
     for loop in loops:
         if loop.proc.poll() is None:
             loop.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """An S3-compatible endpoint of this module's own: moto's server (the one that runs here; shared/notes) in this
+    process, on a free port. Its URL."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()

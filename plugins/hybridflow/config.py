@@ -57,7 +57,20 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class StorageConfig:
+    # A local path every side mounts, or s3://bucket/prefix (any S3-compatible store) read through conn_id.
     root: str
+    # The Amazon provider's `aws` connection for an s3:// root (keys, role, profile, endpoint_url in its extra).
+    conn_id: str = "storage_s3"
+
+    def validate(self, where: str) -> None:
+        if self.root.startswith("s3://"):
+            bucket = self.root.removeprefix("s3://").split("/", 1)[0]
+            if not bucket:
+                raise ConfigError(f"{where}.root: {self.root!r} names no bucket; expected s3://bucket/prefix")
+        elif "://" in self.root or not self.root.startswith("/"):
+            raise ConfigError(f"{where}.root: {self.root!r}; expected an absolute path or s3://bucket/prefix")
+        if not self.conn_id:
+            raise ConfigError(f"{where}.conn_id: empty; name the `aws` connection of the s3:// storage root")
 
     @property
     def layout(self) -> StorageLayout:

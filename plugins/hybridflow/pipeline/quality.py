@@ -333,22 +333,13 @@ def gate(manifest: Mapping[str, Any], previous: Mapping[str, Any] | None,
     return enforce(run_checks(manifest, previous, contract), manifest.get("ds"))
 
 
-def load_manifest(partition: str | Path) -> dict[str, Any]:
-    """The ``_MANIFEST.json`` of a published partition; a partition without ``_SUCCESS`` fails the gate."""
-    partition = Path(partition)
-    if not (partition / "_SUCCESS").is_file():
+def require_published(manifest: Mapping[str, Any] | None, partition: str) -> Mapping[str, Any]:
+    """The manifest of a published partition (hooks/datasets.py reads it); an unpublished one fails the gate."""
+    if manifest is None:
         result = _result("published", None, False, f"no _SUCCESS in {partition}",
                          "_SUCCESS written by the job")
         raise DataQualityError(failure_message([result]), results=(result,))
-    return json.loads((partition / "_MANIFEST.json").read_text())
-
-
-def published_ds(dataset_dir: str | Path) -> list[str]:
-    """The ds values of ``<dataset_dir>/ds=*`` partitions that carry ``_SUCCESS``, sorted."""
-    dataset_dir = Path(dataset_dir)
-    if not dataset_dir.is_dir():
-        return []
-    return sorted(p.name[3:] for p in dataset_dir.glob("ds=*") if (p / "_SUCCESS").is_file())
+    return manifest
 
 
 def previous_ds(published: Iterable[str], ds: str) -> str | None:

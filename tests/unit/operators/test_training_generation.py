@@ -148,6 +148,7 @@ def test_generation_nightly_prepare_training_run_dir(tmp_path, monkeypatch, para
 
     monkeypatch.setenv("HYBRIDFLOW_STORAGE_ROOT", str(tmp_path))
     (tmp_path / "features" / "ds=2026-01-02").mkdir(parents=True)
+    (tmp_path / "features" / "ds=2026-01-02" / "_MANIFEST.json").write_text('{"ds": "2026-01-02"}')
     (tmp_path / "features" / "ds=2026-01-02" / "_SUCCESS").touch()
     base = {"model_preset": "tiny", "train_window_days": 1, "epochs": 1, "max_steps": 10}
     prepared = prepare_training(load_pipeline_config(), "2026-01-02", RUN_ID, {**base, **params})

@@ -262,19 +262,10 @@ def test_quality_previous_ds(published, ds, expected):
     assert quality.previous_ds(published, ds) == expected
 
 
-def test_quality_published_ds_and_load_manifest(tmp_path):
-    for ds, done in (("2026-01-03", True), ("2026-01-04", False), ("2026-01-05", True)):
-        part = tmp_path / f"ds={ds}"
-        part.mkdir()
-        (part / "_MANIFEST.json").write_text(json.dumps({"ds": ds}))
-        if done:
-            (part / "_SUCCESS").write_text("")
-    (tmp_path / ".ds=2026-01-06.staging-1").mkdir()
-    assert quality.published_ds(tmp_path) == ["2026-01-03", "2026-01-05"]
-    assert quality.published_ds(tmp_path / "absent") == []
-    assert quality.load_manifest(tmp_path / "ds=2026-01-05") == {"ds": "2026-01-05"}
-    with pytest.raises(DataQualityError, match="published: observed no _SUCCESS in .*ds=2026-01-04"):
-        quality.load_manifest(tmp_path / "ds=2026-01-04")
+def test_quality_gate_fails_a_partition_that_is_not_published_and_passes_a_published_one():
+    assert quality.require_published({"ds": "2026-01-05"}, "s3://b/features/ds=2026-01-05") == {"ds": "2026-01-05"}
+    with pytest.raises(DataQualityError, match="published: observed no _SUCCESS in s3://b/features/ds=2026-01-04"):
+        quality.require_published(None, "s3://b/features/ds=2026-01-04")
 
 
 def test_quality_module_uses_only_the_standard_library():

@@ -1,28 +1,13 @@
-"""For the storage tests: an S3 endpoint (moto's server, the S3-compatible endpoint that runs here, in this process
-on a port of its own), a fresh bucket on it per test, and a real Spark in local mode, one per test module (a JVM
-start is the expensive part)."""
+"""For the storage tests: a fresh bucket per test on the S3 endpoint (``s3_endpoint``, tests/conftest.py), and a
+real Spark in local mode, one per test module (a JVM start is the expensive part)."""
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import uuid
 
 import pytest
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 @pytest.fixture
