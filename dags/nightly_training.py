@@ -30,7 +30,7 @@ from datetime import timedelta
 from airflow.sdk import DAG, Asset, Param, TaskGroup, task
 from hybridflow.config import DEPLOY_MODES, DEVICES, model_preset_names, pipeline_config
 from hybridflow.dag_defaults import DEFAULT_ARGS, run_deadline, spark_submit_defaults
-from hybridflow.layout import TrainingRunDir
+from hybridflow.layout import TrainingRunDir, asset_uri
 from hybridflow.operators.report import RunReportOperator
 from hybridflow.operators.spark import StorageSparkSubmitOperator
 from hybridflow.operators.training import DeepSpeedTrainingOperator, GenerationSlurmSubmitOperator
@@ -46,9 +46,9 @@ from hybridflow.utils.slurm_jobs import MAX_GENERATION
 config = pipeline_config()
 cfg, root, cluster = config.nightly, config.storage.root, config.cluster
 layout = config.storage.layout
-FEATURES = Asset(name="hybridflow_features", uri=f"file://{layout.dataset('features')}")
-MODEL = Asset(name="hybridflow_model_of_record", uri=f"file://{layout.model_dir(cfg.model_name)}")
-PREDICTIONS = Asset(name="hybridflow_predictions", uri=f"file://{layout.dataset('predictions')}")
+FEATURES = Asset(name="hybridflow_features", uri=asset_uri(layout.dataset("features")))
+MODEL = Asset(name="hybridflow_model_of_record", uri=asset_uri(layout.model_dir(cfg.model_name)))
+PREDICTIONS = Asset(name="hybridflow_predictions", uri=asset_uri(layout.dataset("predictions")))
 
 
 def prepared_value(key: str) -> str:

@@ -70,6 +70,7 @@ PHASES: dict[str, dict[str, tuple[str, ...]]] = {
         "local": (
             "tests/integration/test_backfill_never_starts_a_night.py",  # an Airflow and a PostgreSQL of its own
             "tests/integration/test_spark_stages.py", "tests/reliability/test_data_faults.py",
+            "tests/integration/test_nightly_on_object_store.py",  # a Spark job and an Airflow of its own, on S3
             "tests/integration/test_training_job.py",  # on this machine's cores: no service at all
             # DeepSpeed trainings in process (2 ranks each): beside the users' latency gates they took both cores.
             # Beside the outages instead (2026-12-07, CI): Triton's outage tests took 610 s from 313, the outages

@@ -28,6 +28,11 @@ def safe_segment(text: str, *, trim: bool = True) -> str:
     return (segment.strip("_.") or "run") if trim else segment
 
 
+def asset_uri(path: str) -> str:
+    """An Airflow asset's URI for a path under the root: an s3:// one as it is, a local one as ``file://``."""
+    return path if "://" in path else f"file://{path}"
+
+
 @dataclass(frozen=True)
 class StorageLayout:
     """The storage root's layout; ``config.storage.layout`` gives the configured one."""

@@ -9,6 +9,7 @@ from inside that DAG's folder of the report store.
 from __future__ import annotations
 
 import html
+import mimetypes
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,6 +88,18 @@ def resolve_report(root: Path, dag_id: str, path: str) -> Path | None:
     return target if target.is_relative_to(base) and target.is_file() else None
 
 
+def read_report_object(root: str, conn_id: str, dag_id: str, path: str) -> bytes | None:
+    """The report file ``dag_id/path`` of an object-store root; None unless both are plain names (as
+    ``resolve_report`` requires on a disk) and the object exists."""
+    from hybridflow.hooks.storage_root import StorageRoot
+    from hybridflow.layout import StorageLayout
+
+    parts = report_parts(path)
+    if not is_dag_id(dag_id) or parts is None:
+        return None
+    return StorageRoot(root, conn_id).read_bytes("/".join((StorageLayout(root.rstrip("/")).reports, dag_id, *parts)))
+
+
 class SlurmJobLink(BaseOperatorLink):
     """From a task that ran a Slurm job to the job's record and log tail."""
 
@@ -157,7 +170,9 @@ def create_app():
     from airflow.api_fastapi.core_api.security import requires_access_dag, requires_authenticated
     from airflow.models.dag import DagModel
     from fastapi import Depends, FastAPI, HTTPException
-    from fastapi.responses import FileResponse, HTMLResponse
+    from fastapi.responses import FileResponse, HTMLResponse, Response
+
+    from hybridflow.config import pipeline_config
 
     # No /docs, /redoc or /openapi.json: FastAPI serves them without Airflow's login.
     app = FastAPI(title="hybridflow", description="Run reports and Slurm job pages", docs_url=None, redoc_url=None,
@@ -182,6 +197,12 @@ def create_app():
 
     @app.get("/reports/{dag_id}/{path:path}", dependencies=report_checks)
     def report_file(dag_id: str, path: str):
+        storage = pipeline_config().storage
+        if storage.root.startswith("s3://"):  # through the storage connection; names checked as on a disk
+            body = read_report_object(storage.root, storage.conn_id, dag_id, path)
+            if body is None:
+                raise not_found()
+            return Response(body, media_type=mimetypes.guess_type(path)[0] or "application/octet-stream")
         found = resolve_report(reports_root(), dag_id, path)
         if found is None:
             raise not_found()

@@ -67,13 +67,14 @@ class RunReportOperator(BaseOperator):
         return nightly_history(runs)
 
     def execute(self, context: Context) -> dict:
+        import tempfile
         from pathlib import Path
 
         from hybridflow.config import pipeline_config
         from hybridflow.layout import TrainingRunDir
         from hybridflow.pipeline.nightly import placement_figures, training_figures
-        from hybridflow.pipeline.nightly_tasks import read_cluster_json, scoring_figures
-        from hybridflow.pipeline.report import write_report
+        from hybridflow.pipeline.nightly_tasks import read_cluster_json, scoring_figures, storage_root
+        from hybridflow.pipeline.report import HTML_NAME, JSON_NAME, write_report
 
         config = pipeline_config()
         ds, run_id, dag_id = context["ds"], context["run_id"], context["dag"].dag_id
@@ -101,8 +102,18 @@ class RunReportOperator(BaseOperator):
             "deploy": deploy,
         }
         relative = config.storage.layout.report_path(dag_id, ds, run_id)
-        report_dir = Path(config.storage.layout.report_dir(dag_id, ds, run_id))
-        written = write_report(report_dir, figures, config.costs, p99_slo_ms=config.serving.slo_p99_ms)
+        report_uri = config.storage.layout.report_dir(dag_id, ds, run_id)
+        store = storage_root(config)
+        if store.on_object_store:  # drawn here, then copied up with report.json last
+            with tempfile.TemporaryDirectory(prefix="hybridflow-report-") as scratch:
+                drawn = write_report(Path(scratch) / "report", figures, config.costs,
+                                     p99_slo_ms=config.serving.slo_p99_ms)
+                store.publish_folder(Path(drawn["dir"]), report_uri, last=JSON_NAME)
+            written = {**drawn, "dir": report_uri, "json": f"{report_uri}/{JSON_NAME}",
+                       "html": f"{report_uri}/{HTML_NAME}",
+                       "charts": [f"{report_uri}/{Path(chart).name}" for chart in drawn["charts"]]}
+        else:
+            written = write_report(Path(report_uri), figures, config.costs, p99_slo_ms=config.serving.slo_p99_ms)
         self.log.info("Run report: %s (not measured: %s)", written["html"],
                       [item.get("figure") or item for item in written.get("not_measured", [])] or "none")
         return {**{k: v for k, v in written.items() if k in ("dir", "json", "html", "charts")},

@@ -9,7 +9,7 @@ from airflow.sdk import BaseHook
 
 from hybridflow.config import pipeline_config
 from hybridflow.exceptions import HybridflowError
-from hybridflow.hooks.datasets import DatasetStore
+from hybridflow.hooks.storage_root import StorageRoot
 
 
 class StorageSparkSubmitOperator(SparkSubmitOperator):
@@ -25,7 +25,7 @@ class StorageSparkSubmitOperator(SparkSubmitOperator):
 
     def execute(self, context: Any) -> None:
         storage = pipeline_config().storage
-        access = DatasetStore(storage.root, storage.conn_id).job_environment()
+        access = StorageRoot(storage.root, storage.conn_id).job_environment()
         if access:
             master = BaseHook.get_connection(self._conn_id).host or ""
             if master.startswith(("yarn", "k8s://")):

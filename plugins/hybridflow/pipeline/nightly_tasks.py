@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridflow.config import PipelineConfig, model_preset_hidden_sizes, model_preset_names
 from hybridflow.exceptions import HybridflowError
-from hybridflow.hooks.datasets import DatasetStore
+from hybridflow.hooks.storage_root import StorageRoot
 from hybridflow.layout import SIGNATURE_FILE, TrainingRunDir
 from hybridflow.paths import jobs_dir
 from hybridflow.pipeline import nightly, placement, quality
@@ -37,24 +37,24 @@ def simulate_raw_events(config: PipelineConfig, ds: str) -> str:
     """The local stand-in for the upstream producer: the deterministic generator, once per ds."""
     command = [sys.executable, str(jobs_dir() / "generate_raw.py"), "--root", config.storage.root, "--ds", ds,
                "--rows", str(config.nightly.simulate_raw_rows), "--skip-if-published"]
-    env = {**os.environ, **dataset_store(config).job_environment()}  # keys in its environment, not its argv
+    env = {**os.environ, **storage_root(config).job_environment()}  # keys in its environment, not its argv
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     if done.returncode != 0:
         raise HybridflowError(f"the raw event generator exited {done.returncode}: {done.stderr[-2000:]}")
     return done.stdout.strip()
 
 
-def dataset_store(config: PipelineConfig) -> DatasetStore:
-    return DatasetStore(config.storage.root, config.storage.conn_id)
+def storage_root(config: PipelineConfig) -> StorageRoot:
+    return StorageRoot(config.storage.root, config.storage.conn_id)
 
 
 def raw_is_published(config: PipelineConfig, ds: str) -> bool:
-    return dataset_store(config).is_published("raw", ds)
+    return storage_root(config).is_published("raw", ds)
 
 
 def quality_gate(config: PipelineConfig, ds: str) -> dict[str, Any]:
     """The data quality gate on features/ds=<ds> against the previous published partition."""
-    store = dataset_store(config)
+    store = storage_root(config)
     manifest = quality.require_published(store.manifest("features", ds), store.layout.partition("features", ds))
     before = quality.previous_ds(store.published_ds("features"), ds)
     previous = store.manifest("features", before) if before else None
@@ -70,7 +70,7 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
     if params["model_preset"] not in presets:
         raise HybridflowError(f"param model_preset={params['model_preset']!r}: choose one of {sorted(presets)}")
     window = nightly.training_window(ds, params["train_window_days"],
-                                     dataset_store(config).published_ds("features"))
+                                     storage_root(config).published_ds("features"))
     # retrain=N: generation N's own fresh run directory (the train and evaluate job names carry N too)
     retrain = generation(params.get("retrain", 0))
     run_dir = config.storage.layout.training_run(ds, run_id).for_generation(retrain).root
@@ -118,7 +118,7 @@ def evaluation_placement(config: PipelineConfig, params: dict[str, Any], window:
     export's signature.json (written by the training job), the holdout's size from the window's manifests."""
     n_features = len(quality.load_contract().feature_columns)
     challenger = placement.mlp_parameters(n_features, model_preset_hidden_sizes()[params["model_preset"]])
-    store = dataset_store(config)
+    store = storage_root(config)
     counts = [(store.manifest("features", ds) or {}).get("row_count") for ds in window]
     rows = placement.holdout_rows(counts, config.placement.evaluation.holdout_fraction)
     return placement.evaluation_placement(
@@ -227,7 +227,7 @@ def record_in_registry(config: PipelineConfig, model: dict[str, Any] | None, dep
 
 
 def scoring_figures(config: PipelineConfig, ds: str) -> dict[str, Any] | None:
-    manifest = dataset_store(config).manifest("predictions", ds)
+    manifest = storage_root(config).manifest("predictions", ds)
     return nightly.scoring_figures(manifest, config.spark.executor_cores)
 
 

@@ -334,7 +334,7 @@ def gate(manifest: Mapping[str, Any], previous: Mapping[str, Any] | None,
 
 
 def require_published(manifest: Mapping[str, Any] | None, partition: str) -> Mapping[str, Any]:
-    """The manifest of a published partition (hooks/datasets.py reads it); an unpublished one fails the gate."""
+    """The manifest of a published partition (hooks/storage_root.py reads it); an unpublished one fails the gate."""
     if manifest is None:
         result = _result("published", None, False, f"no _SUCCESS in {partition}",
                          "_SUCCESS written by the job")

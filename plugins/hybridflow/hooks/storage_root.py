@@ -1,6 +1,7 @@
-"""Published dataset partitions (raw, features, quarantine, predictions) under the storage root, as Airflow's side
-reads them: through Airflow's ``ObjectStoragePath``, so one code path serves a local root and ``s3://`` (the
-Amazon provider's ``aws`` connection brings keys, role assumption, profiles and ``endpoint_url``).
+"""The storage root as Airflow's side reads and writes it: the published dataset partitions (raw, features,
+quarantine, predictions) and the run reports, through Airflow's ``ObjectStoragePath``, so one code path serves a
+local root and ``s3://`` (the Amazon provider's ``aws`` connection brings keys, role assumption, profiles and
+``endpoint_url``). The jobs' processes get the same access in their environment (:meth:`StorageRoot.job_environment`).
 
 A partition is published when ``_SUCCESS`` is there; when ``_SUCCESS`` names its manifest's sha256 (the jobs'
 ``manifest-v1`` protocol, jobs/hybridjobs/objectstore.py), only that manifest counts: an object store has no
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridflow.exceptions import HybridflowError
@@ -63,8 +65,8 @@ def published_manifest(success: bytes, manifest: bytes) -> dict[str, Any] | None
             from None
 
 
-class DatasetStore:
-    """The datasets under ``root``; ``conn_id`` is the ``aws`` connection of an s3:// root."""
+class StorageRoot:
+    """What lies under ``root``; ``conn_id`` is the ``aws`` connection of an s3:// root."""
 
     def __init__(self, root: str, conn_id: str | None = None):
         self.root = root.rstrip("/")
@@ -105,6 +107,39 @@ class DatasetStore:
             self._check_bucket()
         days = sorted(name.removeprefix("ds=") for name in names if name.startswith("ds="))
         return [ds for ds in days if self.is_published(dataset, ds)]
+
+    @property
+    def on_object_store(self) -> bool:
+        return self.root.startswith("s3://")
+
+    def path(self, uri: str) -> ObjectStoragePath:
+        """A path under this root (a layout URI) with this root's connection."""
+        return storage_path(uri, self.conn_id)
+
+    def publish_folder(self, local: Path, uri: str, last: str) -> list[str]:
+        """Copies every file of the local folder ``local`` to ``uri`` (``last`` after all others, so a reader that
+        finds it finds the rest), then deletes what an earlier copy left there that this one does not have: a
+        rerun replaces the folder. Returns the URIs written."""
+        target = self.path(uri)
+        names = sorted((f.name for f in local.iterdir() if f.is_file()), key=lambda name: name == last)
+        try:
+            for name in names:
+                (target / name).write_bytes((local / name).read_bytes())
+            stale = [child for child in target.iterdir() if child.name not in names]
+            for child in stale:
+                child.unlink()
+        except storage_errors() as error:
+            raise self._unreachable(uri, error) from None
+        return [f"{uri}/{name}" for name in names]
+
+    def read_bytes(self, uri: str) -> bytes | None:
+        """The object at ``uri``; None when there is none."""
+        try:
+            return self.path(uri).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        except storage_errors() as error:
+            raise self._unreachable(uri, error) from None
 
     def _check_bucket(self) -> None:
         """An object store answers "not found" for a missing bucket too: say which it is, instead of waiting for a

@@ -1,4 +1,4 @@
-"""Airflow's side reads the datasets' partitions through ObjectStoragePath (hooks/datasets.py), on a local root and
+"""Airflow's side reads the datasets' partitions through ObjectStoragePath (hooks/storage_root.py), on a local root and
 on an S3 endpoint (moto's server, tests/conftest.py) alike. The partitions are written by the real producer, the
 raw generator job, with the access the hook hands it; the connection is an Airflow `aws` connection from the
 environment, as a deployment's secrets backend would give it."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import boto3
 import pytest
 from hybridflow.exceptions import HybridflowError
-from hybridflow.hooks.datasets import DatasetStore, StorageUnreachableError, published_manifest
+from hybridflow.hooks.storage_root import StorageRoot, StorageUnreachableError, published_manifest
 
 JOBS = Path(__file__).resolve().parents[3] / "jobs"
 SECRET = "test-secret-key-7c1e"
@@ -62,7 +62,7 @@ def s3_conn(s3_endpoint, monkeypatch):
     return bucket, "test_storage", s3_endpoint
 
 
-def generate_raw(store: DatasetStore, ds: str) -> None:
+def generate_raw(store: StorageRoot, ds: str) -> None:
     """The raw generator job, given this store's access in its environment as the nightly's task gives it."""
     env = {"PATH": "/usr/bin:/bin", **store.job_environment()}
     done = subprocess.run([sys.executable, str(JOBS / "generate_raw.py"), "--root", store.root, "--ds", ds,
@@ -73,7 +73,7 @@ def generate_raw(store: DatasetStore, ds: str) -> None:
 
 def test_the_store_sees_what_the_generator_publishes_alike_on_a_folder_and_on_s3(tmp_path, s3_conn):
     bucket, conn_id, _ = s3_conn
-    stores = [DatasetStore(str(tmp_path / "storage")), DatasetStore(f"s3://{bucket}/hybridflow", conn_id)]
+    stores = [StorageRoot(str(tmp_path / "storage")), StorageRoot(f"s3://{bucket}/hybridflow", conn_id)]
     assert stores[0].job_environment() == {}
     environment = stores[1].job_environment()
     assert environment["AWS_SECRET_ACCESS_KEY"] == SECRET and environment["AWS_ENDPOINT_URL_S3"].startswith("http")
@@ -91,7 +91,7 @@ def test_the_store_sees_what_the_generator_publishes_alike_on_a_folder_and_on_s3
 
 def test_a_manifest_replaced_under_its_success_is_a_commit_in_progress_not_a_partition(s3_conn):
     bucket, conn_id, endpoint = s3_conn
-    store = DatasetStore(f"s3://{bucket}/root", conn_id)
+    store = StorageRoot(f"s3://{bucket}/root", conn_id)
     generate_raw(store, DAYS[0])
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test-key-id",
                           aws_secret_access_key=SECRET)
@@ -108,9 +108,9 @@ def test_a_store_it_cannot_reach_fails_in_seconds_naming_the_uri_and_connection_
         monkeypatch.setenv("AIRFLOW_CONN_DEAD_STORAGE", json.dumps({
             "conn_type": "aws", "login": "test-key-id", "password": SECRET,
             "extra": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"}}))
-        store, says = DatasetStore(f"s3://{bucket}/root", "dead_storage"), f"cannot read s3://{bucket}/root/raw"
+        store, says = StorageRoot(f"s3://{bucket}/root", "dead_storage"), f"cannot read s3://{bucket}/root/raw"
     else:
-        store, says = DatasetStore("s3://no-such-bucket-4d1/root", conn_id), "bucket no-such-bucket-4d1"
+        store, says = StorageRoot("s3://no-such-bucket-4d1/root", conn_id), "bucket no-such-bucket-4d1"
     for read in (lambda: store.is_published("raw", DAYS[0]), lambda: store.published_ds("raw")):
         started = time.monotonic()
         with pytest.raises(StorageUnreachableError) as raised:
