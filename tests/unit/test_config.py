@@ -314,3 +314,28 @@ def test_every_allowed_zero_stage_has_its_shipped_deepspeed_config():
     from hybridflow.paths import include_dir
 
     assert [stage for stage in ZERO_STAGES if not (include_dir() / "deepspeed" / f"zero{stage}.json").is_file()] == []
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("storage.root", "relative/storage", "pipeline.storage.root: 'relative/storage'; expected an absolute path or "
+                                         "s3://bucket/prefix"),
+    ("storage.root", "", "pipeline.storage.root: ''; expected an absolute path or s3://bucket/prefix"),
+    ("storage.root", "gs://bucket/prefix", "pipeline.storage.root: 'gs://bucket/prefix'; expected an absolute path"),
+    ("storage.root", "s3a://bucket/prefix", "pipeline.storage.root: 's3a://bucket/prefix'; expected an absolute"),
+    ("storage.root", "s3://", "pipeline.storage.root: 's3://' names no bucket; expected s3://bucket/prefix"),
+    ("storage.root", "s3:///prefix", "pipeline.storage.root: 's3:///prefix' names no bucket"),
+    ("storage.root", 7, "pipeline.storage.root: expected str, got int 7"),
+    ("storage.conn_id", "", "pipeline.storage.conn_id: empty; name the `aws` connection"),
+    ("storage.bucket", "b", "pipeline.storage: unknown key(s) bucket"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_config_storage_root_is_an_absolute_path_or_an_s3_uri(tmp_path, path, value, message):
+    config_file = write(tmp_path, mutate(path, value))
+    with pytest.raises(ConfigError) as err:
+        load_pipeline_config(config_file)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("root", ["/var/lib/hybridflow/storage", "s3://bucket", "s3://bucket/some/prefix"])
+def test_config_storage_root_takes_a_path_or_an_s3_uri(tmp_path, root):
+    storage = load_pipeline_config(write(tmp_path, mutate("storage.root", root))).storage
+    assert (storage.root, storage.conn_id) == (root, "storage_s3")

@@ -118,3 +118,19 @@ def test_a_store_it_cannot_reach_fails_in_seconds_naming_the_uri_and_connection_
         assert time.monotonic() - started < 30
         assert says in str(raised.value) and repr(store.conn_id) in str(raised.value)
         assert SECRET not in str(raised.value)
+
+
+def test_a_report_folder_copied_again_replaces_the_earlier_one_and_reads_back(tmp_path, s3_conn):
+    bucket, conn_id, _ = s3_conn
+    store = StorageRoot(f"s3://{bucket}/root", conn_id)
+    uri = f"{store.root}/reports/nightly_training/ds={DAYS[0]}/run"
+    for files in ({"report.json": b"{}", "report.html": b"<html>1", "old_chart.png": b"png"},
+                  {"report.json": b'{"v": 2}', "report.html": b"<html>2"}):
+        folder = tmp_path / str(len(files))
+        folder.mkdir()
+        for name, body in files.items():
+            (folder / name).write_bytes(body)
+        written = store.publish_folder(folder, uri, last="report.json")
+        assert written[-1] == f"{uri}/report.json" and len(written) == len(files)
+    assert store.read_bytes(f"{uri}/report.html") == b"<html>2"
+    assert store.read_bytes(f"{uri}/old_chart.png") is None and store.read_bytes(f"{uri}/nothing") is None
