@@ -23,6 +23,10 @@ each the best of two runs (the cores are shared with other work, which only ever
 - gpu_route: ``hybridjobs.local_scoring.run``, the Slurm GPU route's scorer (pyarrow + torch on cuda when
   there is a GPU, else on the CPUs), publishing the same partition; None while that module does not exist.
 - whole job: ``spark-submit jobs/score_batch.py`` on the same partition, wall time including JVM start-up.
+- s3: the same ``scoring.run`` on an ``s3://`` root on the stack's S3 endpoint (the same features parts copied
+  into a bucket of its own and committed by manifest), in the same warm session, best of two:
+  ``s3_vs_posix`` = POSIX seconds / S3 seconds (issue 38's goal: >= 0.8). Moto's server is that endpoint here,
+  one Python process on the same 2 cores: a floor for the layer, not a forecast for an estate.
 Targets: spark >= 0.5x plain (goal 0.7x); spark >= 10x row_udf.
 """
 
@@ -35,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import spark_env
@@ -199,15 +204,40 @@ def gpu_route(root: Path, model_path: Path) -> dict:
     return {"seconds": seconds, "rows_per_s": rows / seconds, "device": manifests[-1]["job"].get("device")}
 
 
+def features_on_object_store(root: Path, s3_root: str, access) -> None:
+    """The POSIX features partition's parts copied onto ``s3_root`` and published there by manifest, as the
+    features job publishes them on an object store."""
+    import pyarrow.parquet as pq
+    from hybridjobs import objectstore, storage
+
+    source = storage.partition_dir(root, "features", DS)
+    manifest = storage.read_features_manifest(str(source))
+    partition = objectstore.open_uri(f"{s3_root}/features/ds={DS}", access)
+    attempt = objectstore.new_attempt()
+    files = sorted(source.glob("part-*.parquet"))
+    parts = [objectstore.write_part(partition, attempt, index, pq.read_table(path))
+             for index, path in enumerate(files)]
+    fields = {key: manifest[key] for key in ("dataset", "ds", "row_count", "feature_columns") if key in manifest}
+    objectstore.commit_partition(partition, parts, fields, schema=pq.read_schema(files[0]))
+
+
 def rate(rows: int, seconds: float | None) -> int | None:
     return round(rows / seconds) if seconds else None
 
 
 def main() -> dict:
+    # Here, not at the top: Spark's Python workers import this module (the baselines' functions) without it.
+    from bench_storage import empty_bucket, s3_target
     from hybridjobs import scoring
 
     rows = rows_wanted()
     root = Path(tempfile.mkdtemp(prefix="bench-scoring-"))
+    bucket = f"bench-scoring-{uuid.uuid4().hex[:8]}"
+    access, client = s3_target(bucket)
+    # The standard AWS environment, which the jobs read (hybridjobs/objectstore.py), as an operator hands it over.
+    os.environ.update(AWS_ACCESS_KEY_ID=access.access_key, AWS_SECRET_ACCESS_KEY=access.secret_key,
+                      AWS_ENDPOINT_URL=access.endpoint_url, AWS_REGION=access.region)
+    s3_root = f"s3://{bucket}/storage"
     try:
         feature_columns = synthetic_features(root, rows)
         model_path = root / "model.pt"
@@ -238,6 +268,9 @@ def main() -> dict:
             spark_s, job_s = min(runs)
             print(f"spark: {rows / spark_s:.0f} rows/s ({spark_s:.2f} s: job {job_s:.2f}, manifest and publish "
                   f"{spark_s - job_s:.2f}; {rows / first_s:.0f} rows/s as the session's first job)", flush=True)
+            features_on_object_store(root, s3_root, access)
+            s3_s = best_seconds(lambda: scoring.run(spark, s3_root, DS, str(model_path), "bench", BATCH))
+            print(f"spark on s3://: {rows / s3_s:.0f} rows/s ({s3_s:.2f} s): {spark_s / s3_s:.2f}x POSIX", flush=True)
             stages = spark_breakdown(spark, root, feature_columns)
             print("spark breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()), flush=True)
             udf = row_udf(spark, root, model_path, feature_columns, root / "row-udf")
@@ -248,6 +281,7 @@ def main() -> dict:
         print(f"spark-submit whole job: {job['wall_s']:.1f} s wall", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        empty_bucket(client, bucket)
 
     spark_rps = rows / spark_s
     result = {
@@ -261,6 +295,10 @@ def main() -> dict:
         "gpu_route_device": gpu["device"],
         "gpu_route_seconds": gpu["seconds"] and round(gpu["seconds"], 3),
         "spark_seconds": round(spark_s, 3),
+        "s3_seconds": round(s3_s, 3),
+        "s3_rows_per_s": round(rows / s3_s),
+        "s3_vs_posix": round(spark_s / s3_s, 3),
+        "s3_goal_min": 0.8,
         "spark_job_s": job_s,
         "spark_manifest_publish_s": round(spark_s - job_s, 3),
         **{key: round(value, 3) for key, value in stages.items()},
@@ -293,5 +331,5 @@ def main() -> dict:
           f"plain_rows_per_s={result['plain_rows_per_s']} row_udf_rows_per_s={result['row_udf_rows_per_s']} "
           f"read_only_rows_per_s={result['read_only_rows_per_s']} "
           f"transfer_rows_per_s={result['transfer_rows_per_s']} "
-          f"gpu_route_rows_per_s={result['gpu_route_rows_per_s']}", flush=True)
+          f"gpu_route_rows_per_s={result['gpu_route_rows_per_s']} s3_vs_posix={result['s3_vs_posix']}", flush=True)
     return result

@@ -59,10 +59,14 @@ def published_manifest(success: bytes, manifest: bytes) -> dict[str, Any] | None
         if hashlib.sha256(manifest).hexdigest() != named:
             return None
     try:
-        return json.loads(manifest)
+        found = json.loads(manifest)
     except ValueError as error:
         raise HybridflowError(f"{MANIFEST_NAME} is not JSON ({error}); rerun the stage that writes the partition") \
             from None
+    if not isinstance(found, dict):
+        raise HybridflowError(f"{MANIFEST_NAME} holds a {type(found).__name__}, not a JSON object; rerun the stage "
+                              f"that writes the partition")
+    return found
 
 
 class StorageRoot:
@@ -88,7 +92,10 @@ class StorageRoot:
             return None
         except storage_errors() as error:
             raise self._unreachable(uri, error) from None
-        return published_manifest(success, body)
+        try:
+            return published_manifest(success, body)
+        except HybridflowError as error:
+            raise HybridflowError(f"{uri}: {error}") from None
 
     def is_published(self, dataset: str, ds: str) -> bool:
         return self.manifest(dataset, ds) is not None

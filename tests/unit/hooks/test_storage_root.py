@@ -44,6 +44,8 @@ def test_published_manifest_is_the_one_success_names(success, manifest, expected
     (b'{"sha": 1}', MANIFEST, "not what the manifest-v1 protocol writes"),
     (b"[]", MANIFEST, "not what the manifest-v1 protocol writes"),
     (b"", b"{not json", "_MANIFEST.json is not JSON"),
+    (b"", b"[1, 2]", "_MANIFEST.json holds a list, not a JSON object"),
+    (json.dumps({"manifest_sha256": sha(b"null")}).encode(), b"null", "_MANIFEST.json holds a NoneType"),
 ])
 def test_a_success_or_manifest_no_writer_of_ours_wrote_is_refused_saying_rerun(success, manifest, says):
     with pytest.raises(HybridflowError, match=f"{says}.*rerun the stage"):
