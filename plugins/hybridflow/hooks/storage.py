@@ -19,8 +19,9 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
 
 class StorageHook(BaseHook):
     """
-    boto3 S3 client from the connection: login/password are the access keys, extra ``endpoint_url`` points at an
-    S3-compatible store (MinIO, the local test endpoint), extra ``region_name`` the region.
+    The S3 calls the checkpoint store and the model repository make (list, read, hash, upload), on a boto3 client
+    from the Amazon provider's ``S3Hook``: the ``aws`` connection's keys, role assumption, profile, region and
+    ``extra.endpoint_url`` (S3-compatible stores: MinIO, the local stack's endpoint) work as Airflow users expect.
 
     :param storage_conn_id: Airflow connection of type ``aws``.
     """
@@ -36,14 +37,9 @@ class StorageHook(BaseHook):
 
     @cached_property
     def client(self):
-        import boto3
+        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
-        conn = self.get_connection(self.storage_conn_id)
-        extra = conn.extra_dejson
-        return boto3.client(
-            "s3", endpoint_url=extra.get("endpoint_url"), region_name=extra.get("region_name", "us-east-1"),
-            aws_access_key_id=conn.login or None, aws_secret_access_key=conn.password or None,
-        )
+        return S3Hook(aws_conn_id=self.storage_conn_id).get_conn()
 
     def get_conn(self):
         return self.client
