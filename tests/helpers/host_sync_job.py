@@ -2,8 +2,10 @@
 SHORT.json LONG.json [SHORT.json LONG.json ...]`` (``jobs`` and ``tests`` on PYTHONPATH; under torchrun for several
 ranks). Each pair is one run config at two ``max_steps``, trained from scratch one after the other in this process
 under a :class:`~helpers.host_syncs.HostSyncCounter`; start-up, the final checkpoint, evaluation and export are
-the same in both, so the difference is what the extra steps cost. Prints one line per pair on every rank:
-``HOSTSYNCS {"config": <LONG's run_id>, "rank": r, "calls": [[kind, call site, count], ...]}``.
+the same in both, so the difference is what the extra steps cost. Writes one file per pair and rank into the
+working directory, ``hostsyncs-<LONG's run_id>-rank<r>.json``:
+``{"config": <LONG's run_id>, "rank": r, "calls": [[kind, call site, count], ...]}``. A file of its own, not a line
+on stdout: the ranks share torchrun's stdout, and one rank's long line was once cut by the other's log line.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 from hybridtrain.preemption import StopRequest
 from hybridtrain.runner import main as train_main
@@ -31,7 +34,7 @@ def main(configs: list[str]) -> None:
         added = count(long).calls - count(short).calls
         line = {"config": json.loads(open(long).read())["run_id"], "rank": int(os.environ.get("RANK", "0")),
                 "calls": [[kind, site, n] for (kind, site), n in sorted(added.items())]}
-        print("HOSTSYNCS " + json.dumps(line), flush=True)
+        Path(f"hostsyncs-{line['config']}-rank{line['rank']}.json").write_text(json.dumps(line))
 
 
 if __name__ == "__main__":

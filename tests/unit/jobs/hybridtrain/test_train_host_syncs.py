@@ -77,14 +77,13 @@ def counted(directory) -> dict[str, list[dict]]:
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
         launches.append(subprocess.Popen([*launcher, "-m", "helpers.host_sync_job", *configs], env=env, cwd=directory,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results: dict[str, list[dict]] = {}
     for launch in launches:
         output, _ = launch.communicate(timeout=600)
         assert launch.returncode == 0, output[-4000:]
-        for line in output.splitlines():
-            if line.startswith("HOSTSYNCS "):
-                record = json.loads(line.removeprefix("HOSTSYNCS "))
-                results.setdefault(record["config"], []).append(record)
+    results: dict[str, list[dict]] = {}
+    for path in sorted(directory.glob("hostsyncs-*.json")):  # one per case and rank (helpers/host_sync_job.py)
+        record = json.loads(path.read_text())
+        results.setdefault(record["config"], []).append(record)
     return results
 
 
