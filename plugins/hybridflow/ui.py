@@ -92,12 +92,12 @@ def read_report_object(root: str, conn_id: str, dag_id: str, path: str) -> bytes
     """The report file ``dag_id/path`` of an object-store root; None unless both are plain names (as
     ``resolve_report`` requires on a disk) and the object exists."""
     from hybridflow.hooks.storage_root import StorageRoot
-    from hybridflow.layout import StorageLayout
 
     parts = report_parts(path)
     if not is_dag_id(dag_id) or parts is None:
         return None
-    return StorageRoot(root, conn_id).read_bytes("/".join((StorageLayout(root.rstrip("/")).reports, dag_id, *parts)))
+    store = StorageRoot(root, conn_id)
+    return store.read_bytes("/".join((store.layout.reports, dag_id, *parts)))
 
 
 class SlurmJobLink(BaseOperatorLink):

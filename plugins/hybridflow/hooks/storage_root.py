@@ -77,9 +77,6 @@ class StorageRoot:
         self.conn_id = conn_id
         self.layout = StorageLayout(self.root)
 
-    def partition(self, dataset: str, ds: str) -> ObjectStoragePath:
-        return storage_path(self.layout.partition(dataset, ds), self.conn_id)
-
     def manifest(self, dataset: str, ds: str) -> dict[str, Any] | None:
         """The published manifest of ``dataset/ds=<ds>``; None when it is not published (yet)."""
         uri = self.layout.partition(dataset, ds)
@@ -100,8 +97,9 @@ class StorageRoot:
     def is_published(self, dataset: str, ds: str) -> bool:
         return self.manifest(dataset, ds) is not None
 
-    def published_ds(self, dataset: str) -> list[str]:
-        """The ds of every published partition of ``dataset``, sorted (ISO dates sort as strings)."""
+    def published_manifests(self, dataset: str) -> dict[str, dict[str, Any]]:
+        """The manifest of every published partition of ``dataset`` by ds, oldest first (ISO dates sort as
+        strings): one read of each, so callers that need the days and their figures read nothing twice."""
         uri = self.layout.dataset(dataset)
         folder = storage_path(uri, self.conn_id)
         try:
@@ -113,7 +111,12 @@ class StorageRoot:
         if not names:
             self._check_bucket()
         days = sorted(name.removeprefix("ds=") for name in names if name.startswith("ds="))
-        return [ds for ds in days if self.is_published(dataset, ds)]
+        found = {ds: self.manifest(dataset, ds) for ds in days}
+        return {ds: manifest for ds, manifest in found.items() if manifest is not None}
+
+    def published_ds(self, dataset: str) -> list[str]:
+        """The ds of every published partition of ``dataset``, sorted."""
+        return list(self.published_manifests(dataset))
 
     @property
     def on_object_store(self) -> bool:
@@ -151,7 +154,7 @@ class StorageRoot:
     def _check_bucket(self) -> None:
         """An object store answers "not found" for a missing bucket too: say which it is, instead of waiting for a
         partition that can never appear."""
-        if not self.root.startswith("s3://"):
+        if not self.on_object_store:
             return
         bucket = self.root.removeprefix("s3://").split("/", 1)[0]
         try:
@@ -165,14 +168,14 @@ class StorageRoot:
 
     def _unreachable(self, uri: str, error: Exception) -> StorageUnreachableError:
         how = (f"check the bucket, and the keys and endpoint_url of connection {self.conn_id!r}" if
-               self.root.startswith("s3://") else "check that this worker mounts the storage root")
+               self.on_object_store else "check that this worker mounts the storage root")
         return StorageUnreachableError(f"cannot read {uri}: {type(error).__name__}: {error}; {how}")
 
     def job_environment(self) -> dict[str, str]:
         """The standard AWS variables that give a job process (the raw generator, a Spark driver) this store's
         access, from the connection (role assumption and profiles resolved here); empty for a local root. Hand it
         over in the process's environment, never on its command line."""
-        if not self.root.startswith("s3://"):
+        if not self.on_object_store:
             return {}
         from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 

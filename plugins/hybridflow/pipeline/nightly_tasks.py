@@ -56,8 +56,9 @@ def quality_gate(config: PipelineConfig, ds: str) -> dict[str, Any]:
     """The data quality gate on features/ds=<ds> against the previous published partition."""
     store = storage_root(config)
     manifest = quality.require_published(store.manifest("features", ds), store.layout.partition("features", ds))
-    before = quality.previous_ds(store.published_ds("features"), ds)
-    previous = store.manifest("features", before) if before else None
+    published = store.published_manifests("features")
+    before = quality.previous_ds(published, ds)
+    previous = published[before] if before else None
     results = quality.gate(manifest, previous, quality.load_contract())
     return {"summary": quality.summary(results), "compared_with": before,
             "checks": [r.as_dict() for r in results],
@@ -69,8 +70,8 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
     presets = model_preset_names()
     if params["model_preset"] not in presets:
         raise HybridflowError(f"param model_preset={params['model_preset']!r}: choose one of {sorted(presets)}")
-    window = nightly.training_window(ds, params["train_window_days"],
-                                     storage_root(config).published_ds("features"))
+    published = storage_root(config).published_manifests("features")
+    window = nightly.training_window(ds, params["train_window_days"], published)
     # retrain=N: generation N's own fresh run directory (the train and evaluate job names carry N too)
     retrain = generation(params.get("retrain", 0))
     run_dir = config.storage.layout.training_run(ds, run_id).for_generation(retrain).root
@@ -97,7 +98,7 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
         "torch_threads": cfg.torch_threads,
     }
     champion = model_registry(config).champion()
-    evaluation = evaluation_placement(config, params, window, champion)
+    evaluation = evaluation_placement(config, params, [published[d] for d in window], champion)
     return {
         "run_dir": run_dir,
         "run_config": run_config,
@@ -112,14 +113,13 @@ def prepare_training(config: PipelineConfig, ds: str, run_id: str, params: dict[
     }
 
 
-def evaluation_placement(config: PipelineConfig, params: dict[str, Any], window: list[str],
+def evaluation_placement(config: PipelineConfig, params: dict[str, Any], window: list[dict[str, Any]],
                          champion: dict[str, Any] | None) -> placement.EvaluationPlacement:
     """CPU or GPU for the evaluation job: the challenger's parameters from its preset, the champion's from its
     export's signature.json (written by the training job), the holdout's size from the window's manifests."""
     n_features = len(quality.load_contract().feature_columns)
     challenger = placement.mlp_parameters(n_features, model_preset_hidden_sizes()[params["model_preset"]])
-    store = storage_root(config)
-    counts = [(store.manifest("features", ds) or {}).get("row_count") for ds in window]
+    counts = [manifest.get("row_count") for manifest in window]
     rows = placement.holdout_rows(counts, config.placement.evaluation.holdout_fraction)
     return placement.evaluation_placement(
         challenger, champion_parameters(champion), rows, config=config.placement.evaluation,

@@ -87,6 +87,7 @@ def test_the_store_sees_what_the_generator_publishes_alike_on_a_folder_and_on_s3
             generate_raw(store, ds)
         manifest = store.manifest("raw", DAYS[1])
         assert manifest["parts"] and store.published_ds("raw") == list(DAYS)
+        assert store.published_manifests("raw")[DAYS[1]] == manifest
         seen.append({key: manifest[key] for key in ("ds", "row_count", "protocol")})
     assert seen[0] == seen[1] == {"ds": DAYS[1], "row_count": 400, "protocol": "manifest-v1"}
 
